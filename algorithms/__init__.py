@@ -1,0 +1,69 @@
+"""Algorithms as swappable message handlers, looked up by name.
+
+Built-in algorithms live one per module here; a third party registers one
+through the `fedbus.algorithms` entry-point group, whose value points at an
+`Algorithm` object (``my_pkg.my_algo:ALGORITHM``). No if/elif chain anywhere:
+the engine asks `get_algorithm(name)` and gets the two handler classes.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+
+from fedbus.algorithms.base import ClientHandler, ServerHandler
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    name: str
+    server: type[ServerHandler]
+    client: type[ClientHandler]
+    summary: str = ""
+
+
+# name -> module defining ALGORITHM; imported only when asked for.
+BUILTIN: dict[str, str] = {
+    "local": "fedbus.algorithms.local",
+    "fedavg": "fedbus.algorithms.fedavg",
+    "fedprox": "fedbus.algorithms.fedprox",
+    "fedproto": "fedbus.algorithms.fedproto",
+    "fedavg-proto": "fedbus.algorithms.fedavg_proto",
+    "mpfedcl": "fedbus.algorithms.mpfedcl",
+    "proto-attention": "fedbus.algorithms.proto_attention",
+    "fedtgp": "fedbus.algorithms.fedtgp",
+    "noop": "fedbus.algorithms.noop",
+}
+
+_loaded: dict[str, Algorithm] = {}
+
+
+def _plugins() -> dict[str, object]:
+    return {ep.name: ep for ep in entry_points(group="fedbus.algorithms")}
+
+
+def available() -> list[str]:
+    names = [n for n in BUILTIN if importlib.util.find_spec(BUILTIN[n]) is not None]
+    return sorted(set(names) | set(_plugins()))
+
+
+def get_algorithm(name: str) -> Algorithm:
+    if name in _loaded:
+        return _loaded[name]
+    if name in BUILTIN:
+        algo = importlib.import_module(BUILTIN[name]).ALGORITHM
+    elif name in (plugins := _plugins()):
+        algo = plugins[name].load()
+    else:
+        raise KeyError(f"unknown algorithm {name!r}; available: {', '.join(available())}")
+    if not isinstance(algo, Algorithm) or algo.name != name:
+        raise TypeError(f"{name!r} does not resolve to an Algorithm named {name!r}")
+    _loaded[name] = algo
+    return algo
+
+
+def register(algo: Algorithm) -> Algorithm:
+    """Register an algorithm defined at run time (tests, notebooks)."""
+    _loaded[algo.name] = algo
+    return algo

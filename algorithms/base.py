@@ -1,0 +1,303 @@
+"""The algorithm-handler contract.
+
+An algorithm is a pair: a ServerHandler (make a client's task, take updates,
+aggregate when a round or buffer closes) and a ClientHandler (train on a task,
+build the update, evaluate). Handlers own only their mathematics. The engine
+owns sampling, deadlines, staleness, retries, message I/O and logging: it hands
+a handler plain Python/numpy values and takes plain values back.
+
+Payloads (task, update and eval bodies) are dicts of str -> numpy array, int,
+float, str, bool, None, list or nested dict: whatever the wire codec carries.
+Arrays received from the wire are read-only views; copy before writing.
+
+Conventions that the engine's validation and the tools rely on:
+- prototypes travel as "protos" float32 [C, D] with "counts" int64 [C]
+  (count 0 = the client has no such class; its row is zeros);
+- model weights travel as "delta": {param name: array}, the client's weights
+  minus the global weights it was sent (so stale updates apply cleanly).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Iterator, Mapping
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Work:
+    """What a client actually did for one task (partial work is normal)."""
+
+    epochs_asked: int
+    epochs_done: float
+    steps: int
+    samples: int
+    stopped: str = "done"  # done | budget (time ran out) | partial (asked to do less)
+
+    @property
+    def fraction(self) -> float:
+        return 1.0 if self.epochs_asked == 0 else min(1.0, self.epochs_done / self.epochs_asked)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"epochs_asked": self.epochs_asked, "epochs_done": self.epochs_done,
+                "steps": self.steps, "samples": self.samples, "stopped": self.stopped}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Work":
+        return cls(int(d["epochs_asked"]), float(d["epochs_done"]), int(d["steps"]),
+                   int(d["samples"]), str(d.get("stopped", "done")))
+
+
+@dataclass(frozen=True)
+class RoundInfo:
+    """Where the federation is: the round (sync) or global version (async)."""
+
+    round: int
+    rounds: int
+
+    @property
+    def last(self) -> bool:
+        return self.round >= self.rounds - 1
+
+
+@dataclass
+class ClientUpdate:
+    """One client's answer to a task, as the server handler receives it."""
+
+    client: int
+    payload: dict[str, Any]
+    num_samples: int  # the client's training-set size
+    work: Work
+    version: int  # the global version (round) the client's task was made from
+    staleness: int = 0  # aggregations that happened since that version
+    weight: float = 1.0  # engine's staleness weight, 1/sqrt(1+staleness)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A sampled client that contributed nothing to this aggregation."""
+
+    client: int
+    reason: str  # late | dead | dropped | rejected | error
+
+
+@dataclass
+class ServerContext:
+    params: Mapping[str, Any]  # the [algorithm] section
+    train: Mapping[str, Any]  # the [train] section
+    num_classes: int
+    feature_dim: int
+    clients: int
+    rounds: int
+    seed: int
+    homogeneous: bool  # every client runs the same architecture
+    make_model: Callable[[int], torch.nn.Module]  # client i's network, seeded initial weights
+
+
+class ServerHandler:
+    """Server half of an algorithm. Subclasses declare PARAMS (the keys their
+    [algorithm] section accepts, with defaults) and implement the three verbs."""
+
+    PARAMS: ClassVar[dict[str, Any]] = {}
+    needs_same_model: ClassVar[bool] = False  # weight averaging needs one architecture
+
+    def __init__(self, ctx: ServerContext):
+        self.ctx = ctx
+        self.params = ctx.params
+
+    def make_task(self, client: int, info: RoundInfo) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def make_eval(self, client: int, info: RoundInfo) -> dict[str, Any]:
+        return self.make_task(client, info)
+
+    def aggregate(self, updates: list[ClientUpdate], failures: list[Failure],
+                  info: RoundInfo) -> dict[str, float]:
+        """Fold updates into the global state. `updates` may be empty (every
+        sampled client failed); return scalar metrics worth logging."""
+        raise NotImplementedError
+
+    def update_spec(self) -> dict[str, tuple[str, tuple[int | None, ...]]]:
+        """Arrays an update must carry: {"protos": ("float32", (C, D)), ...}.
+        None in a shape matches any size. Used to validate updates before
+        aggregate() ever sees them."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        pass
+
+
+@dataclass
+class ClientContext:
+    client: int
+    model: torch.nn.Module  # on `device`
+    device: torch.device
+    train_x: torch.Tensor  # on `device`
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+    num_classes: int
+    feature_dim: int
+    params: Mapping[str, Any]  # [algorithm]
+    train: Mapping[str, Any]  # [train]
+    seed: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def make_optimizer(self, params=None) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.model.parameters() if params is None else params,
+                               lr=self.train["lr"], momentum=self.train["momentum"],
+                               weight_decay=self.train["weight_decay"])
+
+
+class LocalRun:
+    """The engine's side of one local update: which minibatches, how many
+    epochs, and when to stop. A handler iterates `batches()`; the work done
+    is recorded in `work` whether the run finished, ran out of time, or was
+    asked to do only part of its epochs."""
+
+    def __init__(self, ctx: ClientContext, *, epochs: int, seed: int,
+                 epochs_to_run: float | None = None, budget_s: float = 0.0,
+                 slow_factor: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep):
+        self.ctx = ctx
+        self.epochs = int(epochs)
+        self.epochs_to_run = float(epochs if epochs_to_run is None else epochs_to_run)
+        self.budget_s = float(budget_s)
+        self.slow_factor = float(slow_factor)
+        self.seed = int(seed)
+        self._clock, self._sleep = clock, sleep
+        self.work = Work(self.epochs, 0.0, 0, 0, "done")
+
+    def steps_per_epoch(self) -> int:
+        return max(1, math.ceil(len(self.ctx.train_y) / self.ctx.train["batch_size"]))
+
+    def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        n = len(self.ctx.train_y)
+        if n == 0 or self.epochs == 0:
+            return
+        bs = self.ctx.train["batch_size"]
+        per_epoch = self.steps_per_epoch()
+        total = per_epoch * self.epochs
+        if self.epochs_to_run < self.epochs:
+            # Partial work still trains at least one step, so the update is real.
+            total = max(1, round(self.epochs_to_run * per_epoch))
+            self.work.stopped = "partial"
+        gen = torch.Generator().manual_seed(self.seed)
+        start = self._clock()
+        step = 0
+        while step < total:
+            order = torch.randperm(n, generator=gen).to(self.ctx.device)
+            for i in range(per_epoch):
+                if step >= total:
+                    break
+                if self.budget_s > 0 and self._clock() - start >= self.budget_s:
+                    self.work.stopped = "budget"
+                    return
+                t0 = self._clock()
+                idx = order[i * bs:(i + 1) * bs]
+                yield self.ctx.train_x[idx], self.ctx.train_y[idx]
+                step += 1
+                self.work.steps = step
+                self.work.samples += len(idx)
+                self.work.epochs_done = step / per_epoch
+                if self.slow_factor > 1.0:
+                    # A simulated slow device takes the same path as a real one: it is
+                    # just slower, so budgets and deadlines cut it the same way.
+                    self._sleep((self.slow_factor - 1.0) * (self._clock() - t0))
+
+
+class ClientHandler:
+    """Client half of an algorithm: one instance per client, kept by the node
+    between tasks (or evicted and restored through state_dict)."""
+
+    def __init__(self, ctx: ClientContext):
+        self.ctx = ctx
+        self.params = ctx.params
+        self.optimizer = ctx.make_optimizer()
+
+    def train(self, task: Mapping[str, Any], run: LocalRun) -> dict[str, Any]:
+        """Run local training over run.batches(); return the update payload."""
+        raise NotImplementedError
+
+    def evaluate(self, task: Mapping[str, Any]) -> dict[str, float]:
+        """Score on the client's own test split: at least "acc" (the classifier
+        head) and, for prototype methods, "proto_acc"; also "loss"."""
+        return head_metrics(self.ctx.model, self.ctx.test_x, self.ctx.test_y)
+
+    @torch.no_grad()
+    def embed(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Up to n test embeddings and their labels (for the t-SNE plot)."""
+        x, y = self.ctx.test_x[:n], self.ctx.test_y[:n]
+        self.ctx.model.eval()
+        h = self.ctx.model.features(x) if len(x) else torch.zeros(0, self.ctx.feature_dim)
+        return h.float().cpu().numpy(), y.cpu().numpy()
+
+    def extra_state(self) -> dict[str, Any]:
+        """Handler state beyond model and optimizer (e.g. the last global prototypes)."""
+        return {}
+
+    def load_extra_state(self, state: Mapping[str, Any]) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.ctx.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "extra": self.extra_state()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.ctx.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.load_extra_state(state["extra"])
+
+
+# --- helpers shared by handlers -------------------------------------------------
+
+def to_tensor(value: Any, device: torch.device | str = "cpu",
+              dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A wire array (read-only numpy view) as a fresh tensor on `device`."""
+    t = torch.from_numpy(np.array(value, copy=True))
+    if dtype is not None:
+        t = t.to(dtype)
+    return t.to(device)
+
+
+def model_weights(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def load_weights(model: torch.nn.Module, weights: Mapping[str, Any]) -> None:
+    state = model.state_dict()
+    missing = set(state) - set(weights)
+    if missing:
+        raise ValueError(f"weights lack {sorted(missing)[:3]}...")
+    model.load_state_dict({k: to_tensor(weights[k], state[k].device, state[k].dtype)
+                           for k in state})
+
+
+def weight_delta(model: torch.nn.Module, base: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The model's weights minus `base`, as float32/int arrays for the wire."""
+    out = {}
+    for k, v in model.state_dict().items():
+        cur = v.detach().cpu().numpy()
+        out[k] = (cur - np.asarray(base[k], dtype=cur.dtype)).astype(cur.dtype, copy=False)
+    return out
+
+
+@torch.no_grad()
+def head_metrics(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+                 batch: int = 512) -> dict[str, float]:
+    if len(y) == 0:
+        return {"acc": float("nan"), "loss": float("nan"), "num_test": 0}
+    model.eval()
+    correct, loss = 0, 0.0
+    for i in range(0, len(y), batch):
+        logits = model(x[i:i + batch])
+        loss += torch.nn.functional.cross_entropy(logits, y[i:i + batch], reduction="sum").item()
+        correct += (logits.argmax(1) == y[i:i + batch]).sum().item()
+    model.train()
+    return {"acc": correct / len(y), "loss": loss / len(y), "num_test": int(len(y))}

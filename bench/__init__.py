@@ -1,0 +1,1 @@
+"""fedbus.bench: benchmarks that print figures (run them with `fedbus bench NAME`)."""

@@ -1,0 +1,5 @@
+import sys
+
+from fedbus.launch.cli import main
+
+sys.exit(main())

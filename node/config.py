@@ -1,0 +1,277 @@
+"""Run configuration: TOML, validated on load, every option defaulted.
+
+A config is a set of sections; each key has a default, a type and (where it
+makes sense) a set of allowed values. `--set section.key=value` overrides any
+key. Errors name the bad key and what is allowed, so a typo never silently
+falls back to a default. The `[algorithm]` section is validated against the
+parameters the chosen algorithm declares (see fedbus.algorithms).
+"""
+from __future__ import annotations
+
+import copy
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the key."""
+
+
+@dataclass(frozen=True)
+class Opt:
+    default: Any
+    help: str = ""
+    choices: tuple | None = None
+    min: float | None = None
+    max: float | None = None
+
+
+SCHEMA: dict[str, dict[str, Opt]] = {
+    "federation": {
+        "clients": Opt(10, "number of federated clients", min=1),
+        "rounds": Opt(10, "rounds (sync) or aggregations (async)", min=1),
+        "fraction": Opt(1.0, "fraction of live clients sampled per round", min=0.0, max=1.0),
+        "min_clients": Opt(1, "sample at least this many clients per round", min=1),
+        "min_updates": Opt(1, "a round closes at its deadline only with this many updates", min=1),
+        "deadline_s": Opt(0.0, "round deadline in seconds; 0 waits for every sampled client",
+                          min=0.0),
+        "start_timeout_s": Opt(60.0, "start once every client is live, or after this long "
+                               "with at least min_clients", min=0.0),
+        "hard_deadline_s": Opt(600.0, "close a round after this long even with fewer than "
+                               "min_updates updates", min=0.0),
+        "mode": Opt("sync", "sync rounds or async buffered aggregation", ("sync", "async")),
+        "late": Opt("drop", "what happens to an update that misses its round", ("drop", "fold")),
+        "concurrency": Opt(0, "async: clients kept busy at once (0 = all)", min=0),
+        "buffer": Opt(0, "async: aggregate every this many updates (0 = concurrency)", min=0),
+        "max_staleness": Opt(20, "updates staler than this are dropped", min=0),
+        "eval_every": Opt(1, "evaluate on every client every this many rounds", min=1),
+        "target_acc": Opt(0.0, "report the first round reaching this mean accuracy (0 = off)",
+                          min=0.0, max=1.0),
+        "seed": Opt(0, "seed of partitions, sampling, initialisation and training"),
+    },
+    "data": {
+        "dataset": Opt("digits", "digits, npz:PATH, mnist, fmnist, emnist, femnist, cifar10, "
+                       "cifar100, synthetic, mnist1d"),
+        "data_dir": Opt("", "download/cache folder for online datasets (default ~/.cache/fedbus)"),
+        "partition": Opt("nway-kshot", "nway-kshot, dirichlet, pathological, powerlaw, iid, "
+                         "natural or file:PATH.json"),
+        "test_fraction": Opt(0.25, "per-client test share", min=0.0, max=0.9),
+        "ways": Opt(3, "nway-kshot: mean classes per client", min=1),
+        "ways_std": Opt(2.0, "nway-kshot: stdev of classes per client", min=0.0),
+        "shots": Opt(100, "nway-kshot: mean samples per class", min=1),
+        "shots_std": Opt(10.0, "nway-kshot: stdev of samples per class", min=0.0),
+        "alpha": Opt(0.5, "dirichlet concentration", min=0.0),
+        "min_samples": Opt(10, "dirichlet: retry until every client has this many", min=0),
+        "classes_per_client": Opt(2, "pathological: classes per client", min=1),
+        "powerlaw_sigma": Opt(2.0, "powerlaw: lognormal sigma of client sizes", min=0.0),
+        "synthetic_alpha": Opt(0.5, "FedProx synthetic: model heterogeneity", min=0.0),
+        "synthetic_beta": Opt(0.5, "FedProx synthetic: data heterogeneity", min=0.0),
+    },
+    "model": {
+        "arch": Opt("cnn", "network for every client (see fedbus.models.ARCHS)"),
+        "group": Opt([], "model group: client i runs group[i % len(group)]"),
+        "feature_dim": Opt(0, "prototype dimension; 0 = the architecture's own", min=0),
+        "pretrained": Opt(False, "load ImageNet weights where torchvision has them locally"),
+    },
+    "algorithm": {
+        "name": Opt("fedproto", "registered algorithm name"),
+    },
+    "train": {
+        "epochs": Opt(1, "local epochs F per task", min=0),
+        "batch_size": Opt(32, "local minibatch size", min=1),
+        "lr": Opt(0.01, "local learning rate", min=0.0),
+        "momentum": Opt(0.5, "SGD momentum", min=0.0, max=1.0),
+        "weight_decay": Opt(0.0, "SGD weight decay", min=0.0),
+        "budget_s": Opt(0.0, "time budget per task in seconds; 0 = none", min=0.0),
+    },
+    "system": {
+        "slow_fraction": Opt(0.0, "fraction of clients that are slow", min=0.0, max=1.0),
+        "slow_clients": Opt([], "client ids that are slow, besides slow_fraction"),
+        "slow_factor": Opt(1.0, "slow clients take this many times longer", min=1.0),
+        "drop_prob": Opt(0.0, "probability that a client silently drops a task", min=0.0,
+                         max=1.0),
+        "partial_work": Opt(False, "clients run F' ~ U[0, F] epochs (FedProx-style)"),
+    },
+    "bus": {
+        "broker": Opt("", "broker address; empty lets `fedbus run` start one on loopback"),
+        "transport": Opt("tcp", "transport for a local run", ("tcp", "ipc")),
+        "heartbeat_s": Opt(1.0, "heartbeat interval", min=0.01),
+        "liveness": Opt(3, "missed heartbeats before a peer counts as dead", min=1),
+        "max_frame_mb": Opt(64, "largest accepted frame in MiB", min=1),
+        "curve": Opt(False, "encrypt and authenticate with CurveZMQ"),
+        "keys_dir": Opt("", "CurveZMQ keys folder (see `fedbus keygen`)"),
+    },
+    "launch": {
+        "nodes": Opt(2, "client-node processes for a local run", min=1),
+        "devices": Opt(["auto"], "devices for nodes, round-robin: auto, cpu, cuda, cuda:N"),
+        "max_resident": Opt(64, "clients a node keeps materialised; the rest are evicted",
+                            min=1),
+        "evict_to": Opt("memory", "where evicted clients go", ("memory", "disk")),
+        "threads": Opt(1, "torch threads per node process", min=1),
+    },
+    "log": {
+        "level": Opt("info", "log level", ("debug", "info", "warning", "error")),
+        "messages": Opt(True, "server writes the message log (needed by `fedbus replay`)"),
+        "client_messages": Opt(False, "client nodes write their own message logs"),
+        "embeddings": Opt(200, "test embeddings per client saved at the end for plots", min=0),
+    },
+}
+
+
+class Section(dict):
+    """A config section: a dict that also reads as attributes (cfg.train.lr)."""
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+
+class Config:
+    def __init__(self, sections: dict[str, dict[str, Any]]):
+        self._sections = {name: Section(values) for name, values in sections.items()}
+
+    def __getattr__(self, name: str) -> Section:
+        try:
+            return self.__dict__["_sections"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: dict(sec) for name, sec in self._sections.items()}
+
+    def __repr__(self) -> str:
+        return f"Config({self.to_dict()!r})"
+
+
+def _type_ok(default: Any, value: Any) -> bool:
+    if isinstance(default, bool):
+        return isinstance(value, bool)
+    if isinstance(default, int):
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(default, float):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(default, str):
+        return isinstance(value, str)
+    if isinstance(default, list):
+        return isinstance(value, list)
+    return True
+
+
+def _check(section: str, key: str, opt: Opt, value: Any) -> Any:
+    name = f"{section}.{key}"
+    if not _type_ok(opt.default, value):
+        raise ConfigError(f"{name} = {value!r}: expected {type(opt.default).__name__} "
+                          f"(default {opt.default!r})")
+    if isinstance(opt.default, float):
+        value = float(value)
+    if opt.choices is not None and value not in opt.choices:
+        allowed = ", ".join(map(str, opt.choices))
+        raise ConfigError(f"{name} = {value!r}: allowed values are {allowed}")
+    if opt.min is not None and value < opt.min:
+        raise ConfigError(f"{name} = {value!r}: must be >= {opt.min}")
+    if opt.max is not None and value > opt.max:
+        raise ConfigError(f"{name} = {value!r}: must be <= {opt.max}")
+    return value
+
+
+def _parse_override(text: str) -> tuple[str, str, Any]:
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise ConfigError(f"--set {text!r}: expected section.key=value")
+    dotted, raw = text.split("=", 1)
+    section, key = dotted.strip().split(".", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare word such as fedavg or npz:/data/x.npz
+    return section, key, value
+
+
+def algorithm_params(name: str) -> dict[str, Opt]:
+    from fedbus.algorithms import get_algorithm  # the registry knows each algorithm's params
+
+    try:
+        server_cls = get_algorithm(name).server
+    except KeyError as err:
+        raise ConfigError(f"algorithm.name = {name!r}: {err.args[0]}") from None
+    return {k: v if isinstance(v, Opt) else Opt(v) for k, v in server_cls.PARAMS.items()}
+
+
+def build_config(raw: Mapping[str, Any], overrides: Sequence[str] = ()) -> Config:
+    """Validate a parsed TOML mapping plus --set overrides into a Config."""
+    merged: dict[str, dict[str, Any]] = {}
+    for section, table in raw.items():
+        if section not in SCHEMA:
+            raise ConfigError(f"unknown section [{section}]; sections are "
+                              f"{', '.join(SCHEMA)}")
+        if not isinstance(table, dict):
+            raise ConfigError(f"[{section}] must be a table")
+        merged[section] = dict(table)
+    for text in overrides:
+        section, key, value = _parse_override(text)
+        if section not in SCHEMA:
+            raise ConfigError(f"--set {text!r}: unknown section {section!r}; sections are "
+                              f"{', '.join(SCHEMA)}")
+        merged.setdefault(section, {})[key] = value
+
+    out: dict[str, dict[str, Any]] = {}
+    for section, opts in SCHEMA.items():
+        table = merged.get(section, {})
+        if section == "algorithm":
+            opts = {**opts, **algorithm_params(table.get("name", opts["name"].default))}
+        unknown = sorted(set(table) - set(opts))
+        if unknown:
+            raise ConfigError(f"unknown key {section}.{unknown[0]}; [{section}] keys are "
+                              f"{', '.join(sorted(opts))}")
+        out[section] = {key: _check(section, key, opt, table[key]) if key in table
+                        else copy.deepcopy(opt.default) for key, opt in opts.items()}
+    _check_consistency(out)
+    return Config(out)
+
+
+def _check_consistency(cfg: dict[str, dict[str, Any]]) -> None:
+    fed = cfg["federation"]
+    if fed["min_clients"] > fed["clients"]:
+        raise ConfigError(f"federation.min_clients = {fed['min_clients']} exceeds "
+                          f"federation.clients = {fed['clients']}")
+    if fed["concurrency"] > fed["clients"]:
+        raise ConfigError(f"federation.concurrency = {fed['concurrency']} exceeds "
+                          f"federation.clients = {fed['clients']}")
+    if fed["buffer"] > max(fed["concurrency"] or fed["clients"], 1):
+        raise ConfigError("federation.buffer must not exceed federation.concurrency")
+
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "launch" / "default.toml"
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
+    """Load CONFIG.toml (None = the embedded default) and apply --set overrides."""
+    source = Path(path) if path is not None else DEFAULT_CONFIG
+    if path is None:
+        from importlib import resources
+
+        text = resources.files("fedbus.launch").joinpath("default.toml").read_text()
+    else:
+        try:
+            text = source.read_text()
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {source}") from None
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{source}: not valid TOML: {err}") from None
+    return build_config(raw, overrides)
+
+
+def describe_options() -> str:
+    """Every option with its default, for `fedbus run --help-config`."""
+    lines = []
+    for section, opts in SCHEMA.items():
+        lines.append(f"[{section}]")
+        for key, opt in opts.items():
+            extra = f" (one of {', '.join(map(str, opt.choices))})" if opt.choices else ""
+            lines.append(f"  {key} = {opt.default!r}  # {opt.help}{extra}")
+    return "\n".join(lines)

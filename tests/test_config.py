@@ -1,0 +1,48 @@
+"""Config: defaults, validation errors that name the key, --set overrides."""
+import pytest
+
+from fedbus.node.config import ConfigError, build_config, load_config
+
+
+def test_embedded_default_loads_with_every_key():
+    cfg = load_config(None)
+    assert cfg.data.dataset == "digits"
+    assert cfg.algorithm.name == "fedproto"
+    assert cfg.federation.mode == "sync"
+    assert "lam" in cfg.algorithm  # the algorithm's own parameters are filled in
+
+
+def test_set_overrides_any_key_and_parses_types():
+    cfg = build_config({}, ["federation.rounds=7", "train.lr=0.5", "algorithm.name=fedavg",
+                            "data.dataset=npz:/tmp/x.npz", "model.group=['cnn', 'cnn4']"])
+    assert cfg.federation.rounds == 7 and cfg.train.lr == 0.5
+    assert cfg.algorithm.name == "fedavg"
+    assert cfg.data.dataset == "npz:/tmp/x.npz"
+    assert cfg.model.group == ["cnn", "cnn4"]
+
+
+@pytest.mark.parametrize("raw, overrides, message", [
+    ({"federation": {"rouns": 3}}, [], "unknown key federation.rouns"),
+    ({"federation": {"mode": "fast"}}, [], "allowed values are sync, async"),
+    ({"federation": {"fraction": 1.5}}, [], "federation.fraction = 1.5: must be <= 1.0"),
+    ({"federation": {"clients": "ten"}}, [], "expected int"),
+    ({"train": {"lr": True}}, [], "train.lr"),
+    ({"nosuch": {}}, [], "unknown section [nosuch]"),
+    ({}, ["algorithm.name=fedfoo"], "unknown algorithm 'fedfoo'"),
+    ({}, ["algorithm.lam=0.5", "algorithm.name=fedavg"], "unknown key algorithm.lam"),
+    ({}, ["rounds=3"], "expected section.key=value"),
+    ({"federation": {"clients": 2, "min_clients": 3}}, [], "min_clients = 3 exceeds"),
+])
+def test_bad_config_names_the_key(raw, overrides, message):
+    with pytest.raises(ConfigError) as err:
+        build_config(raw, overrides)
+    assert message in str(err.value)
+
+
+def test_missing_file_and_bad_toml(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[federation\nclients = 3")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
