@@ -1,0 +1,121 @@
+"""FedAvg: federated averaging of model weights.
+
+McMahan, Moore, Ramage, Hampson, Agüera y Arcas, "Communication-Efficient
+Learning of Deep Networks from Decentralized Data", AISTATS 2017, Algorithm 1
+(FederatedAveraging): each sampled client k starts from the global weights w_t,
+runs E local epochs of minibatch SGD on its data, and the server sets
+w_{t+1} = sum_k (n_k / n) w_{t+1}^k over the clients that reported.
+
+On the bus a client uploads "delta" = w^k - w_t (its weights minus the global
+weights of the task it answered) and the server applies
+
+    w <- w + sum_k s_k n_k delta_k / sum_k s_k n_k
+
+(s_k the engine's staleness weight 1/sqrt(1+staleness), n_k the client's
+training-set size; fedbus.algorithms.weights). With every update fresh and
+made from one global version this is exactly Algorithm 1's weighted mean (up to
+float64 rounding); a late or asynchronous update, made from an older version,
+still applies as a step, down-weighted by its staleness.
+
+Evaluation scores the *global* model: the eval task carries the global weights,
+the client loads them, scores its test split with the classifier head, and puts
+its own (post-training) weights back, so nothing local is lost.
+
+The whole global state dict travels, buffers included (BatchNorm running
+statistics are averaged like weights; integer counters are averaged and
+rounded). Every client must run the same architecture (`needs_same_model`).
+`FedAvgServer`/`FedAvgClient` are the base classes of FedProx and FedAvg-proto:
+the averaging rule is written once, here and in fedbus.algorithms.weights.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from fedbus.algorithms import Algorithm
+from fedbus.algorithms.base import (ClientUpdate, Failure, LocalRun, RoundInfo, ServerHandler,
+                                    head_metrics, load_weights, model_weights, weight_delta)
+from fedbus.algorithms.local import LocalClient, Params, staleness_metrics
+from fedbus.algorithms.weights import average_deltas, fedavg_coefs, weights_spec
+
+
+class FedAvgServer(Params, ServerHandler):
+    PARAMS: ClassVar[dict[str, Any]] = {}
+    needs_same_model: ClassVar[bool] = True
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        # Client 0's seeded initial network: every client built from the same
+        # seed starts from these weights too.
+        self.weights: dict[str, np.ndarray] = model_weights(ctx.make_model(0))
+        self._weights_spec = weights_spec(self.weights)
+
+    # -- tasks ------------------------------------------------------------------
+    def make_task(self, client: int, info: RoundInfo) -> dict[str, Any]:
+        # The arrays are never written in place (aggregate builds new ones), so a
+        # payload already handed to the engine stays what it was.
+        return {"weights": self.weights}
+
+    def make_eval(self, client: int, info: RoundInfo) -> dict[str, Any]:
+        return {"weights": self.weights}
+
+    # -- aggregation -------------------------------------------------------------
+    def coefficients(self, updates: list[ClientUpdate]) -> list[float]:
+        """c_k = staleness weight x training-set size."""
+        return fedavg_coefs(updates)
+
+    def aggregate(self, updates: list[ClientUpdate], failures: list[Failure],
+                  info: RoundInfo) -> dict[str, float]:
+        metrics = staleness_metrics(updates, failures)
+        if updates:
+            self.weights = average_deltas(self.weights, [u.payload["delta"] for u in updates],
+                                          self.coefficients(updates))
+        return metrics
+
+    def update_spec(self) -> dict[str, Any]:
+        # A nested dict mirrors the nested payload: "delta" -> {name: (dtype, shape)}.
+        return {"delta": dict(self._weights_spec)}
+
+    # -- checkpoint --------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"weights": {k: v.copy() for k, v in self.weights.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.weights = {k: np.array(v, copy=True) for k, v in state["weights"].items()}
+
+
+@contextmanager
+def swapped_weights(model: torch.nn.Module, weights: Mapping[str, Any]) -> Iterator[None]:
+    """Run a block with `weights` loaded into `model`, then put its own back."""
+    backup = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    load_weights(model, weights)
+    try:
+        yield
+    finally:
+        model.load_state_dict(backup)
+
+
+class FedAvgClient(LocalClient):
+    PARAMS: ClassVar[dict[str, Any]] = FedAvgServer.PARAMS
+
+    def begin_local(self, task: Mapping[str, Any]) -> None:
+        """Hook after the global weights are loaded, before the first step."""
+
+    def train(self, task: Mapping[str, Any], run: LocalRun) -> dict[str, Any]:
+        load_weights(self.ctx.model, task["weights"])
+        self.begin_local(task)
+        self.run_local(run)
+        return {"delta": weight_delta(self.ctx.model, task["weights"])}
+
+    def evaluate(self, task: Mapping[str, Any]) -> dict[str, float]:
+        """The global model's head on this client's test split."""
+        with swapped_weights(self.ctx.model, task["weights"]):
+            return head_metrics(self.ctx.model, self.ctx.test_x, self.ctx.test_y)
+
+
+ALGORITHM = Algorithm("fedavg", FedAvgServer, FedAvgClient,
+                      "FedAvg (McMahan et al. 2017): sample-weighted weight averaging")
