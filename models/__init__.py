@@ -12,9 +12,21 @@ nothing of fedbus. See docs/DATA.md.
 """
 from .base import ProtoNet
 from .pretrained import PretrainedUnavailable
-from .registry import (ARCHS, GROUP_FEATURE_DIM, MODEL_DEFAULTS, NATIVE_FEATURE_DIM,
-                       arch_for_client, build_client_model, build_model, count_params, describe,
-                       describe_group, feature_dim_for, format_group, parse_arch)
+from .registry import (
+    ARCHS,
+    GROUP_FEATURE_DIM,
+    MODEL_DEFAULTS,
+    NATIVE_FEATURE_DIM,
+    arch_for_client,
+    build_client_model,
+    build_model,
+    count_params,
+    describe,
+    describe_group,
+    feature_dim_for,
+    format_group,
+    parse_arch,
+)
 
 __all__ = [
     "ARCHS", "GROUP_FEATURE_DIM", "MODEL_DEFAULTS", "NATIVE_FEATURE_DIM", "PretrainedUnavailable",
