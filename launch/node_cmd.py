@@ -1,0 +1,72 @@
+"""`fedbus node`: a client-node process hosting some clients on one device.
+
+    fedbus node --broker tcp://HOST:5555 --clients 0-99 --device cuda:0
+
+The node needs no config file: the server sends its resolved config when the
+node joins. The data must be reachable on this machine under the same
+dataset name (npz:PATH, or a data_dir for downloadable sets).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+
+from fedbus.launch.common import add_log_arguments, setup_logging
+from fedbus.launch.devices import parse_ids
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--broker", required=True, help="broker address, e.g. tcp://10.0.0.5:5555")
+    p.add_argument("--clients", required=True, help="client ids to host: 0-99 or 0,3,7-9")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--name", default=None, help="node name, unique per broker "
+                   "(default HOST-PID)")
+    p.add_argument("--max-resident", type=int, default=None,
+                   help="clients kept materialised (default: launch.max_resident)")
+    p.add_argument("--evict-to", choices=["memory", "disk"], default=None)
+    p.add_argument("--spool-dir", default=None, help="folder for clients evicted to disk")
+    p.add_argument("--heartbeat-s", type=float, default=1.0)
+    p.add_argument("--liveness", type=int, default=3)
+    p.add_argument("--message-log-dir", default=None,
+                   help="where to write this node's message log when log.client_messages")
+    add_log_arguments(p)
+
+
+def resolve_device(spec: str) -> str:
+    """cuda when asked and present, else the CPU with a clear warning."""
+    import torch
+
+    from fedbus.broker.log import get_logger
+
+    if spec == "cpu":
+        return "cpu"
+    if not spec.startswith("cuda"):
+        raise ValueError(f"--device {spec!r}: expected cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        get_logger("fedbus.node").warning("no CUDA device visible: running on the CPU",
+                                          asked=spec)
+        return "cpu"
+    index = int(spec.split(":", 1)[1]) if ":" in spec else 0
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"--device {spec}: only {torch.cuda.device_count()} GPU(s) visible")
+    return f"cuda:{index}"
+
+
+def main(args: argparse.Namespace) -> int:
+    name = args.name or f"{socket.gethostname()}-{os.getpid()}"
+    setup_logging(args, name)
+    try:
+        clients = parse_ids(args.clients)
+        device = resolve_device(args.device)
+    except ValueError as err:
+        print(f"fedbus node: {err}", file=sys.stderr)
+        return 2
+    from fedbus.node.client_host import ClientNode
+
+    node = ClientNode(args.broker, clients, name=name, device=device,
+                      max_resident=args.max_resident, evict_to=args.evict_to,
+                      heartbeat_s=args.heartbeat_s, liveness=args.liveness,
+                      spool_dir=args.spool_dir, log_dir=args.message_log_dir)
+    return node.serve()

@@ -1,0 +1,195 @@
+"""`fedbus run`: a whole federation on this machine.
+
+Starts a broker on loopback, the server and `launch.nodes` client-node
+processes (spread over the visible GPUs, else the CPU), shows progress, and
+writes the run directory. Ctrl-C, or the death of any process, stops all of
+them: children also die with the launcher (PR_SET_PDEATHSIG), so nothing is
+left behind.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from fedbus.launch.common import add_config_arguments, config_from_args
+from fedbus.launch.devices import assign, format_ids, split_clients, visible_gpus
+from fedbus.launch.progress import Progress, print_summary
+from fedbus.launch.server_cmd import default_run_dir
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_arguments(p)
+    p.add_argument("--out", default=None, help="run directory (default runs/DATE-ALGORITHM)")
+    p.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    p.add_argument("--keep-going", action="store_true",
+                   help="a client node's death is tolerated (the federation copes) "
+                   "instead of stopping the run")
+    p.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"],
+                   help="level of the processes' logs in RUN/logs (default: log.level)")
+    p.add_argument("--help-config", action="store_true",
+                   help="list every config key with its default, then exit")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log: Path
+    essential: bool
+
+
+class Federation:
+    """The processes of one local run."""
+
+    def __init__(self, run_dir: Path, log_level: str):
+        self.run_dir = run_dir
+        self.log_level = log_level
+        self.children: list[Child] = []
+
+    def spawn(self, name: str, argv: list[str], *, env: dict[str, str] | None = None,
+              essential: bool = True) -> Child:
+        log = self.run_dir / "logs" / f"{name}.log"
+        cmd = [sys.executable, "-m", "fedbus.launch", *argv, "--log-level", self.log_level,
+               "--log-file", str(self.run_dir / "logs" / f"{name}.jsonl")]
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=open(log, "ab"),
+                                stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                preexec_fn=_die_with_parent)
+        child = Child(name, proc, log, essential)
+        self.children.append(child)
+        return child
+
+    def dead(self) -> list[Child]:
+        return [c for c in self.children if c.proc.poll() is not None]
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        for c in self.children:
+            if c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+        end = time.time() + grace_s
+        for c in self.children:
+            try:
+                c.proc.wait(timeout=max(0.1, end - time.time()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait()
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.help_config:
+        from fedbus.node.config import describe_options
+
+        print(describe_options())
+        return 0
+    cfg = config_from_args(args)
+    if cfg is None:
+        return 2
+    run_dir = Path(args.out) if args.out else default_run_dir(cfg.algorithm.name)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    level = args.log_level or cfg.log.level
+    say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
+
+    if cfg.bus.broker:
+        address = cfg.bus.broker
+    elif cfg.bus.transport == "ipc":
+        address = f"ipc://{run_dir.resolve() / 'broker.sock'}"
+    else:
+        address = f"tcp://127.0.0.1:{free_port()}"
+    groups = split_clients(cfg.federation.clients, cfg.launch.nodes)
+    try:
+        placements, warning = assign(len(groups), cfg.launch.devices, visible_gpus())
+    except ValueError as err:
+        print(f"fedbus run: config error: {err}", file=sys.stderr)
+        return 2
+    if warning:
+        say(f"warning: {warning}")
+
+    fed = Federation(run_dir, level)
+    hb = ["--heartbeat-s", str(cfg.bus.heartbeat_s), "--liveness", str(cfg.bus.liveness)]
+    try:
+        if not cfg.bus.broker:
+            fed.spawn("broker", ["broker", "--bind", address, *hb,
+                                 "--max-frame-mb", str(cfg.bus.max_frame_mb)])
+        fed.spawn("server", ["server", "--broker", address, str(run_dir / "config.json"),
+                             "--out", str(run_dir)])
+        for i, (ids, place) in enumerate(zip(groups, placements)):
+            fed.spawn(f"node-{i}", ["node", "--broker", address, "--clients", format_ids(ids),
+                                    "--device", place.device, "--name", f"node-{i}", *hb],
+                      env=place.env, essential=not args.keep_going)
+        say(f"fedbus run: {cfg.algorithm.name} on {cfg.data.dataset}, "
+            f"{cfg.federation.clients} clients in {len(groups)} node(s) "
+            f"[{', '.join(sorted({p.label for p in placements}))}], broker {address}, "
+            f"run dir {run_dir}")
+        return supervise(fed, run_dir, cfg, quiet=args.quiet, say=say)
+    except KeyboardInterrupt:
+        say("fedbus run: interrupted, stopping every process")
+        return 130
+    finally:
+        fed.stop()
+
+
+def supervise(fed: Federation, run_dir: Path, cfg, *, quiet: bool, say) -> int:
+    progress = Progress(run_dir, cfg, enabled=not quiet)
+    server = next(c for c in fed.children if c.name == "server")
+    reported: set[str] = set()
+    with progress:
+        while True:
+            progress.refresh()
+            if server.proc.poll() is not None:
+                break
+            for child in fed.dead():
+                if child.name in reported:
+                    continue
+                reported.add(child.name)
+                if child.essential:
+                    progress.stop()
+                    print(f"fedbus run: {child.name} exited with code {child.proc.returncode}; "
+                          f"stopping the run. Last lines of {child.log}:\n{tail(child.log)}",
+                          file=sys.stderr)
+                    return 1
+                say(f"fedbus run: {child.name} died (code {child.proc.returncode}); going on")
+            time.sleep(0.2)
+    code = server.proc.returncode
+    if code != 0:
+        print(f"fedbus run: the server exited with code {code}. Last lines of "
+              f"{server.log}:\n{tail(server.log)}", file=sys.stderr)
+        return 1
+    # nodes leave on the server's shutdown message; give them a moment
+    end = time.time() + 5
+    while time.time() < end and any(c.proc.poll() is None for c in fed.children
+                                    if c.name.startswith("node")):
+        time.sleep(0.1)
+    summary_path = run_dir / "summary.json"
+    if not quiet and summary_path.exists():
+        print_summary(json.loads(summary_path.read_text()), run_dir)
+    return 0

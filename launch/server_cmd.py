@@ -1,0 +1,62 @@
+"""`fedbus server`: the server node for one run.
+
+    fedbus server --broker tcp://HOST:5555 CONFIG.toml --out runs/exp1
+    fedbus server --broker tcp://HOST:5555 --resume runs/exp1
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from fedbus.launch.common import add_config_arguments, add_log_arguments, setup_logging
+from fedbus.node.config import ConfigError, build_config, load_config
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--broker", required=True, help="broker address, e.g. tcp://10.0.0.5:5555")
+    add_config_arguments(p)
+    p.add_argument("--out", default=None, help="run directory (default runs/DATE-ALGORITHM)")
+    p.add_argument("--resume", default=None, metavar="RUN_DIR",
+                   help="continue the run in RUN_DIR from its last checkpoint")
+    add_log_arguments(p)
+
+
+def default_run_dir(algorithm: str) -> Path:
+    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{algorithm}"
+
+
+def load_run_config(path: Path, overrides: list[str]):
+    import json
+
+    return build_config(json.loads(path.read_text()), overrides)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        if args.resume:
+            run_dir = Path(args.resume)
+            cfg = load_run_config(run_dir / "config.json", args.overrides)
+        elif args.config and args.config.endswith(".json"):
+            cfg = load_run_config(Path(args.config), args.overrides)
+            run_dir = Path(args.out) if args.out else default_run_dir(cfg.algorithm.name)
+        else:
+            cfg = load_config(args.config, args.overrides)
+            run_dir = Path(args.out) if args.out else default_run_dir(cfg.algorithm.name)
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"fedbus server: {err}", file=sys.stderr)
+        return 2
+    if args.log_file is None:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        args.log_file = str(run_dir / "logs" / "server.jsonl")
+    args.log_level = args.log_level if args.log_level != "info" else cfg.log.level
+    setup_logging(args, "server")
+    from fedbus.node.server import ServerNode
+
+    try:
+        server = ServerNode(cfg, run_dir, args.broker, resume=bool(args.resume))
+    except ConfigError as err:
+        print(f"fedbus server: config error: {err}", file=sys.stderr)
+        return 2
+    return server.serve()

@@ -1,0 +1,226 @@
+"""A client node: one process, one device, one or thousands of clients.
+
+The node registers the client addresses it hosts, waits for the server's
+config, and then answers tasks and eval requests one at a time, in arrival
+order. Each client's handler (model, optimizer, extra state) is built on
+first use and kept in an LRU of `max_resident`; the rest are evicted to CPU
+memory or to disk and restored when their next task comes, so a 2-core
+machine can host a thousand small clients.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedbus.algorithms import get_algorithm
+from fedbus.algorithms.base import ClientContext, ClientHandler, LocalRun
+from fedbus.broker.log import get_logger
+from fedbus.broker.peer import Peer
+from fedbus.broker.wire import Message
+from fedbus.node.config import Config, build_config
+from fedbus.node.engine import SERVER, client_address, client_index
+from fedbus.node.msglog import MessageLogWriter
+from fedbus.node.setup import federated_data, make_model
+
+log = get_logger("fedbus.node")
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return obj
+
+
+class ClientPool:
+    """Materialises client handlers lazily and keeps at most `max_resident`."""
+
+    def __init__(self, cfg: Config, device: torch.device, *, max_resident: int = 64,
+                 evict_to: str = "memory", spool: Path | None = None):
+        self.cfg = cfg
+        self.device = device
+        self.algo = get_algorithm(cfg.algorithm.name)
+        self.data = federated_data(cfg)
+        self.max_resident = max_resident
+        self.evict_to = evict_to
+        self.spool = spool
+        self.resident: OrderedDict[int, ClientHandler] = OrderedDict()
+        self.evicted: dict[int, Any] = {}  # client -> state (memory) or a file path (disk)
+
+    def get(self, client: int) -> ClientHandler:
+        handler = self.resident.get(client)
+        if handler is not None:
+            self.resident.move_to_end(client)
+            return handler
+        handler = self.build(client)
+        if client in self.evicted:
+            handler.load_state_dict(self._restore(self.evicted.pop(client)))
+        self.resident[client] = handler
+        while len(self.resident) > self.max_resident:
+            old, old_handler = self.resident.popitem(last=False)
+            self.evicted[old] = self._stash(old, old_handler.state_dict())
+        return handler
+
+    def build(self, client: int) -> ClientHandler:
+        cfg, dev = self.cfg, self.device
+        part = self.data.client(client)
+        model = make_model(cfg, client, self.data).to(dev)
+        tensor = lambda a, dt: torch.as_tensor(a, dtype=dt).to(dev)  # noqa: E731
+        ctx = ClientContext(client=client, model=model, device=dev,
+                            train_x=tensor(part.train_x, torch.float32),
+                            train_y=tensor(part.train_y, torch.int64),
+                            test_x=tensor(part.test_x, torch.float32),
+                            test_y=tensor(part.test_y, torch.int64),
+                            num_classes=self.data.num_classes, feature_dim=model.feature_dim,
+                            params=dict(cfg.algorithm), train=dict(cfg.train),
+                            seed=cfg.federation.seed)
+        return self.algo.client(ctx)
+
+    def _stash(self, client: int, state: dict[str, Any]) -> Any:
+        state = _to_cpu(state)
+        if self.evict_to == "disk" and self.spool is not None:
+            path = self.spool / f"client-{client}.pt"
+            torch.save(state, path)
+            return path
+        return state
+
+    def _restore(self, stashed: Any) -> dict[str, Any]:
+        if isinstance(stashed, Path):
+            state = torch.load(stashed, map_location="cpu", weights_only=True)
+            stashed.unlink(missing_ok=True)
+            return state
+        return stashed
+
+
+class ClientNode:
+    def __init__(self, broker: str, clients: list[int], *, name: str, device: str = "cpu",
+                 cfg: Config | None = None, max_resident: int | None = None,
+                 evict_to: str | None = None, heartbeat_s: float = 1.0, liveness: int = 3,
+                 spool_dir: str | Path | None = None, log_dir: str | Path | None = None):
+        self.broker = broker
+        self.clients = clients
+        self.name = name
+        self.device = torch.device(device)
+        self.cfg = cfg
+        self.run_id = ""
+        self.max_resident = max_resident
+        self.evict_to = evict_to
+        self.heartbeat_s, self.liveness = heartbeat_s, liveness
+        self.spool_dir = Path(spool_dir) if spool_dir else None
+        self.log_dir = Path(log_dir) if log_dir else None
+        self.pool: ClientPool | None = None
+        self.msglog: MessageLogWriter | None = None
+        self.peer: Peer | None = None
+
+    def configure(self, run_id: str, raw: dict[str, Any]) -> None:
+        cfg = build_config(raw)
+        if self.pool is not None and run_id == self.run_id:
+            return  # the same run again (e.g. the server re-registered)
+        self.cfg, self.run_id = cfg, run_id
+        torch.set_num_threads(cfg.launch.threads)
+        spool = None
+        evict_to = self.evict_to or cfg.launch.evict_to
+        if evict_to == "disk":
+            spool = self.spool_dir or Path(os.environ.get("TMPDIR", "/tmp")) / f"fedbus-{self.name}"
+            spool.mkdir(parents=True, exist_ok=True)
+        self.pool = ClientPool(cfg, self.device,
+                               max_resident=self.max_resident or cfg.launch.max_resident,
+                               evict_to=evict_to, spool=spool)
+        if cfg.log.client_messages and self.log_dir is not None:
+            self.msglog = MessageLogWriter(self.log_dir / f"messages-{self.name}")
+        log.info("configured", run=run_id, algorithm=cfg.algorithm.name, device=str(self.device),
+                 clients=len(self.clients))
+
+    def serve(self) -> int:
+        self.peer = peer = Peer(self.broker, self.name, role="client",
+                                addresses=[client_address(c) for c in self.clients],
+                                heartbeat_s=self.heartbeat_s, liveness=self.liveness)
+        peer.start()
+        log.info("node ready", node=self.name, clients=len(self.clients), device=str(self.device))
+        try:
+            while True:
+                msg = peer.recv(timeout=1.0)
+                if msg is None:
+                    continue
+                if self.msglog is not None:
+                    self.msglog.write("in", time.time(), msg.frames)
+                if msg.kind == "shutdown":
+                    log.info("shutdown", reason=(msg.body or {}).get("reason"))
+                    return 0
+                self.handle(msg)
+        except KeyboardInterrupt:
+            return 130
+        finally:
+            if self.msglog is not None:
+                self.msglog.close()
+            peer.close()
+
+    def handle(self, msg: Message) -> None:
+        body = msg.body if isinstance(msg.body, dict) else {}
+        if msg.kind == "config":
+            self.configure(str(body.get("run", "")), body["config"])
+        elif msg.kind == "error":
+            log.warning("server error", **{k: v for k, v in body.items() if k != "payload"})
+        elif self.pool is None:
+            log.warning("no config yet: ignored", kind=msg.kind)
+        elif msg.kind == "task":
+            self._safely(msg, self.on_task)
+        elif msg.kind == "eval":
+            self._safely(msg, self.on_eval)
+
+    def _safely(self, msg: Message, fn) -> None:
+        try:
+            fn(msg)
+        except Exception as err:  # a handler bug must not take every client down
+            log.exception("handler failed", kind=msg.kind, client=msg.dst)
+            self._send("error", msg, {"code": "handler_failed", "reason": repr(err)[:500],
+                                      "task": msg.body.get("task"), "eval": msg.body.get("eval")})
+
+    def _send(self, kind: str, msg: Message, body: dict[str, Any]) -> None:
+        out = self.peer.send(kind, SERVER, body, src=msg.dst, round=msg.round)
+        if self.msglog is not None:
+            self.msglog.write("out", time.time(), out.frames)
+
+    def on_task(self, msg: Message) -> None:
+        body = msg.body
+        client = client_index(msg.dst)
+        sim = body.get("sim", {})
+        if sim.get("drop"):
+            log.info("simulated drop", client=client, task=body["task"])
+            return
+        update = run_task(self.pool.get(client), body)
+        self._send("update", msg, update)
+
+    def on_eval(self, msg: Message) -> None:
+        body = msg.body
+        handler = self.pool.get(client_index(msg.dst))
+        result: dict[str, Any] = {"eval": body["eval"], "version": body["version"],
+                                  "metrics": handler.evaluate(body["payload"])}
+        if body.get("embed"):
+            h, y = handler.embed(int(body["embed"]))
+            result["embeddings"] = {"h": h, "y": y}
+        self._send("eval_result", msg, result)
+
+
+def run_task(handler: ClientHandler, body: dict[str, Any]) -> dict[str, Any]:
+    """One local update from a task body; the update body to send. Also used
+    by `fedbus replay --client` to re-run a logged task."""
+    sim = body.get("sim", {})
+    torch.manual_seed(int(body["seed"]))
+    run = LocalRun(handler.ctx, epochs=int(body["epochs"]), seed=int(body["seed"]),
+                   epochs_to_run=float(sim.get("epochs_to_run", body["epochs"])),
+                   budget_s=float(body.get("budget_s", 0.0)),
+                   slow_factor=float(sim.get("slow_factor", 1.0)))
+    t0 = time.perf_counter()
+    payload = handler.train(body["payload"], run)
+    return {"task": body["task"], "version": body["version"],
+            "num_samples": int(len(handler.ctx.train_y)), "work": run.work.to_dict(),
+            "payload": payload, "train_s": round(time.perf_counter() - t0, 4)}

@@ -1,0 +1,570 @@
+"""The server's round engine: a deterministic state machine.
+
+Inputs are events (a client joined or left, an update or eval result arrived,
+a deadline passed), each stamped with the time the shell saw it. Outputs are
+messages to send and metric records to write. Nothing here reads a clock,
+touches a socket or draws an unseeded random number, so the same config, seed
+and sequence of inputs give the same outputs bit for bit: that is what
+`fedbus replay` checks and what `--resume` relies on.
+
+Sync mode: each round samples `fraction` of the live clients (at least
+`min_clients`), sends tasks, and closes when every sampled client has
+answered or failed, or at the deadline once `min_updates` are in (else at the
+hard deadline). Late updates are dropped or folded into the next aggregation
+with weight 1/sqrt(1+staleness).
+
+Async mode (FedBuff-style): no rounds; `concurrency` clients are kept busy and
+the server aggregates every `buffer` updates. A client whose update waits in
+the buffer gets its next task after that aggregation, so one fast client
+cannot fill a buffer alone (and buffer = clients reproduces sync FedAvg).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fedbus.algorithms.base import ClientUpdate, Failure, RoundInfo, ServerHandler, Work
+from fedbus.node.config import Config
+
+SERVER = "server"
+
+
+def client_address(client: int) -> str:
+    return f"c{client}"
+
+
+def client_index(address: str) -> int:
+    if not address.startswith("c") or not address[1:].isdigit():
+        raise ValueError(f"not a client address: {address!r}")
+    return int(address[1:])
+
+
+def staleness_weight(staleness: int) -> float:
+    return 1.0 / math.sqrt(1.0 + staleness)
+
+
+def task_seed(seed: int, client: int, version: int) -> int:
+    """Seed of one local run: a function of (run seed, client, version) only, so
+    sync and async runs that hand a client the same version train identically."""
+    return int(np.random.SeedSequence([seed, client, version]).generate_state(1)[0])
+
+
+@dataclass
+class Out:
+    """A message the shell must send."""
+
+    kind: str
+    dst: str
+    round: int
+    body: dict[str, Any]
+
+
+@dataclass
+class Task:
+    id: int
+    client: int
+    version: int
+    round: int  # sync: the round; async: the version it was made from
+    sent: float
+    deadline: float  # 0 = none
+
+
+@dataclass
+class RoundState:
+    round: int
+    started: float
+    sampled: list[int]
+    deadline: float
+    hard_deadline: float
+    updates: dict[int, ClientUpdate] = field(default_factory=dict)
+    failures: dict[int, str] = field(default_factory=dict)
+    bytes_up: int = 0
+    bytes_down: int = 0
+    params_up: int = 0
+    params_down: int = 0
+
+    def pending(self) -> list[int]:
+        return [c for c in self.sampled if c not in self.updates and c not in self.failures]
+
+
+@dataclass
+class EvalState:
+    version: int
+    round: int
+    started: float
+    deadline: float
+    expected: set[int]
+    results: dict[int, dict[str, Any]] = field(default_factory=dict)
+    record: dict[str, Any] = field(default_factory=dict)
+
+
+def count_params(payload: Any) -> int:
+    """Array elements in a payload: the papers' "# of communicated parameters"."""
+    if isinstance(payload, np.ndarray):
+        return int(payload.size)
+    if isinstance(payload, dict):
+        return sum(count_params(v) for v in payload.values())
+    if isinstance(payload, (list, tuple)):
+        return sum(count_params(v) for v in payload)
+    return 0
+
+
+class Engine:
+    """One server's round engine. Call the on_* methods with events; each
+    returns the messages to send. Metric records accumulate in `records`
+    (the shell drains them)."""
+
+    def __init__(self, cfg: Config, handler: ServerHandler, run_id: str,
+                 train_sizes: dict[int, int] | None = None):
+        self.cfg = cfg
+        self.train_sizes = train_sizes or {}
+        self.fed = cfg.federation
+        self.handler = handler
+        self.run_id = run_id
+        self.rng = np.random.default_rng(np.random.SeedSequence([self.fed.seed, 0x5E4E]))
+        self.async_mode = self.fed.mode == "async"
+        self.rounds = self.fed.rounds
+        self.live: set[int] = set()
+        self.nodes: dict[str, list[int]] = {}
+        self.version = 0  # aggregations done
+        self.next_task_id = 1
+        self.next_eval_id = 1
+        self.tasks: dict[int, Task] = {}  # outstanding
+        self.round: RoundState | None = None
+        self.late: list[ClientUpdate] = []  # folded into the next aggregation
+        self.buffer: list[ClientUpdate] = []  # async
+        self.buffered_clients: set[int] = set()
+        self.evals: dict[int, EvalState] = {}
+        self.started = False
+        self.start_time: float | None = None
+        self.done = False
+        self.records: list[dict[str, Any]] = []  # metrics, drained by the shell
+        self.events: list[dict[str, Any]] = []  # notable happenings for the log/progress
+        self.totals = {"bytes_up": 0, "bytes_down": 0, "params_up": 0, "params_down": 0,
+                       "rejected": 0, "late_dropped": 0, "late_folded": 0}
+        # async bookkeeping of the current aggregation window
+        self.window = RoundState(0, 0.0, [], 0.0, 0.0)
+        self.slow = self._pick_slow_clients()
+
+    def max_samples(self, client: int) -> int:
+        """The most samples an update from `client` can honestly claim."""
+        return self.train_sizes.get(client, 1 << 40)
+
+    def note_sent(self, out: Out, nbytes: int, params: int) -> None:
+        """The shell reports what a sent task or eval weighed on the wire."""
+        self.totals["bytes_down"] += nbytes
+        self.totals["params_down"] += params
+        if out.kind != "task":
+            return
+        window = self.round if self.round is not None else self.window
+        window.bytes_down += nbytes
+        window.params_down += params
+
+    # --- simulation of system heterogeneity (seeded, carried in the task) ---
+
+    def _pick_slow_clients(self) -> set[int]:
+        sys_cfg = self.cfg.system
+        n = round(sys_cfg.slow_fraction * self.fed.clients)
+        rng = np.random.default_rng(np.random.SeedSequence([self.fed.seed, 0x510]))
+        picked = rng.choice(self.fed.clients, size=n, replace=False)
+        return {int(c) for c in picked} | {int(c) for c in sys_cfg.slow_clients}
+
+    def _simulate(self, client: int) -> dict[str, Any]:
+        sys_cfg = self.cfg.system
+        epochs = self.cfg.train.epochs
+        sim: dict[str, Any] = {"slow_factor": sys_cfg.slow_factor if client in self.slow else 1.0,
+                               "drop": bool(self.rng.random() < sys_cfg.drop_prob)
+                               if sys_cfg.drop_prob > 0 else False,
+                               "epochs_to_run": float(epochs)}
+        if sys_cfg.partial_work:
+            sim["epochs_to_run"] = float(self.rng.uniform(0.0, epochs))
+        return sim
+
+    # --- membership ---
+
+    def on_join(self, node: str, clients: list[str], now: float) -> list[Out]:
+        ids = []
+        for address in clients:
+            try:
+                c = client_index(address)
+            except ValueError:
+                continue
+            if 0 <= c < self.fed.clients:
+                ids.append(c)
+        self.nodes[node] = ids
+        self.live.update(ids)
+        out = [Out("config", node, -1, {"run": self.run_id, "config": self.cfg.to_dict()})]
+        self.events.append({"event": "join", "node": node, "clients": len(ids)})
+        return out + self._progress(now)
+
+    def on_leave(self, node: str, clients: list[str], now: float) -> list[Out]:
+        ids = self.nodes.pop(node, None)
+        if ids is None:
+            ids = [client_index(a) for a in clients if a.startswith("c") and a[1:].isdigit()]
+        for c in ids:
+            self.live.discard(c)
+            self._fail_client(c, "dead")
+        self.events.append({"event": "leave", "node": node, "clients": len(ids)})
+        return self._progress(now)
+
+    def _fail_client(self, client: int, reason: str) -> None:
+        for tid, task in list(self.tasks.items()):
+            if task.client == client:
+                del self.tasks[tid]
+                if self.round is not None and task.round == self.round.round:
+                    self.round.failures.setdefault(client, reason)
+                elif self.async_mode:
+                    self.window.failures.setdefault(client, reason)
+        for ev in self.evals.values():
+            ev.expected.discard(client)
+
+    # --- the flow ---
+
+    def next_deadline(self) -> float | None:
+        """The earliest time at which on_tick may change something."""
+        times = [t.deadline for t in self.tasks.values() if t.deadline > 0]
+        if self.round is not None:
+            if self.round.deadline > 0:
+                times.append(self.round.deadline)
+            times.append(self.round.hard_deadline)
+        times += [ev.deadline for ev in self.evals.values()]
+        if not self.started and self.start_time is not None:
+            times.append(self.start_time + self.fed.get("start_timeout_s", 60.0))
+        return min(times) if times else None
+
+    def on_tick(self, now: float) -> list[Out]:
+        if self.done:
+            return []
+        out: list[Out] = []
+        for eid, ev in list(self.evals.items()):
+            if now >= ev.deadline:
+                out += self._finish_eval(eid, now)
+        if self.async_mode:
+            for tid, task in list(self.tasks.items()):
+                if task.deadline > 0 and now >= task.deadline:
+                    del self.tasks[tid]
+                    self.window.failures.setdefault(task.client, "late")
+            out += self._async_fill(now)
+        elif self.round is not None:
+            r = self.round
+            if (r.deadline > 0 and now >= r.deadline and len(r.updates) >= self.fed.min_updates) \
+                    or now >= r.hard_deadline:
+                out += self._close_round(now)
+        return out + self._progress(now)
+
+    def _progress(self, now: float) -> list[Out]:
+        """Start the run once enough clients are live; keep work flowing."""
+        if self.done:
+            return []
+        if not self.started:
+            if self.start_time is None:
+                self.start_time = now
+            everyone = len(self.live) >= self.fed.clients
+            waited = now - self.start_time >= self.fed.get("start_timeout_s", 60.0)
+            if not (everyone or (waited and len(self.live) >= self.fed.min_clients)):
+                return []
+            self.started = True
+            self.window.started = now
+        if self.async_mode:
+            return self._async_fill(now)
+        if self.round is None and not self.evals and self.version < self.rounds:
+            return self._start_round(now)
+        if self.round is not None and not self.round.pending():
+            return self._close_round(now)
+        return []
+
+    def _task_body(self, client: int, round_: int, now: float, deadline: float) -> dict:
+        tid = self.next_task_id
+        self.next_task_id += 1
+        self.tasks[tid] = Task(tid, client, self.version, round_, now, deadline)
+        info = RoundInfo(self.version, self.rounds)
+        return {"task": tid, "version": self.version, "epochs": self.cfg.train.epochs,
+                "budget_s": self.cfg.train.budget_s,
+                "seed": task_seed(self.fed.seed, client, self.version),
+                "sim": self._simulate(client),
+                "payload": self.handler.make_task(client, info)}
+
+    def _sample(self, candidates: list[int], k: int) -> list[int]:
+        k = min(k, len(candidates))
+        if k == len(candidates):
+            return list(candidates)
+        return sorted(int(c) for c in self.rng.choice(candidates, size=k, replace=False))
+
+    def _start_round(self, now: float) -> list[Out]:
+        live = sorted(self.live)
+        if len(live) < self.fed.min_clients:
+            return []
+        k = max(self.fed.min_clients, math.ceil(self.fed.fraction * len(live)))
+        sampled = self._sample(live, k)
+        deadline = now + self.fed.deadline_s if self.fed.deadline_s > 0 else 0.0
+        hard = now + max(self.fed.hard_deadline_s, self.fed.deadline_s)
+        self.round = RoundState(self.version, now, sampled, deadline, hard)
+        out = []
+        for c in sampled:
+            body = self._task_body(c, self.version, now, deadline)
+            out.append(Out("task", client_address(c), self.version, body))
+        self.events.append({"event": "round_start", "round": self.version,
+                            "sampled": len(sampled), "live": len(live)})
+        return out
+
+    # --- updates ---
+
+    def on_update(self, src: str, body: dict[str, Any], nbytes: int, now: float) -> list[Out]:
+        """An update arrived (already validated by the shell)."""
+        client = client_index(src)
+        task = self.tasks.pop(int(body["task"]))
+        upd = ClientUpdate(client=client, payload=body["payload"],
+                           num_samples=int(body["num_samples"]),
+                           work=Work.from_dict(body["work"]), version=task.version)
+        params = count_params(body["payload"])
+        self.totals["bytes_up"] += nbytes
+        self.totals["params_up"] += params
+        if self.async_mode:
+            return self._async_update(upd, nbytes, params, now)
+        r = self.round
+        if r is not None and task.round == r.round and client in r.sampled:
+            r.updates[client] = upd
+            r.bytes_up += nbytes
+            r.params_up += params
+            return self._progress(now)
+        # a straggler from an earlier round
+        if self.fed.late == "fold":
+            self.late.append(upd)
+            self.totals["late_folded"] += 1
+            self.events.append({"event": "late_folded", "client": client, "version": task.version})
+        else:
+            self.totals["late_dropped"] += 1
+            self.events.append({"event": "late_dropped", "client": client,
+                                "version": task.version})
+        return []
+
+    def on_task_failed(self, src: str, task_id: Any, now: float) -> list[Out]:
+        """A client reported that its handler failed on a task."""
+        task = self.tasks.get(task_id) if isinstance(task_id, int) else None
+        if task is None or client_address(task.client) != src:
+            return []
+        del self.tasks[task_id]
+        if self.round is not None and task.round == self.round.round:
+            self.round.failures.setdefault(task.client, "error")
+        elif self.async_mode:
+            self.window.failures.setdefault(task.client, "error")
+        self.events.append({"event": "task_failed", "client": task.client, "task": task_id})
+        return self._progress(now)
+
+    def is_expected_update(self, src: str, body: dict[str, Any]) -> str | None:
+        """Why an update must be rejected before any handler sees it, or None."""
+        try:
+            client = client_index(src)
+        except ValueError:
+            return f"sender {src!r} is not a client"
+        task = self.tasks.get(body.get("task")) if isinstance(body.get("task"), int) else None
+        if task is None:
+            return f"task {body.get('task')!r} is not outstanding"
+        if task.client != client:
+            return f"task {task.id} was sent to c{task.client}, not {src}"
+        if body.get("version") != task.version:
+            return f"version {body.get('version')!r} does not match task {task.id}"
+        return None
+
+    def _weighted(self, upd: ClientUpdate) -> ClientUpdate:
+        upd.staleness = self.version - upd.version
+        upd.weight = staleness_weight(upd.staleness)
+        return upd
+
+    def _close_round(self, now: float) -> list[Out]:
+        r = self.round
+        assert r is not None
+        for c in r.pending():
+            r.failures[c] = "late"
+        for tid, task in list(self.tasks.items()):
+            if task.round == r.round:
+                task.deadline = 0.0  # it may still arrive: then it is late
+            elif self.version - task.version > self.fed.max_staleness:
+                del self.tasks[tid]  # too stale to ever count
+        fresh = [self._weighted(r.updates[c]) for c in sorted(r.updates)]
+        folded = [self._weighted(u) for u in self.late
+                  if self.version - u.version <= self.fed.max_staleness]
+        self.late = []
+        failures = [Failure(c, r.failures[c]) for c in sorted(r.failures)]
+        record = self._aggregate(fresh + folded, failures, r, now)
+        record.update(round=r.round, sampled=len(r.sampled), folded=len(folded),
+                      stale=[[u.client, u.version, u.staleness, u.weight] for u in folded])
+        self.round = None
+        return self._after_aggregation(record, now)
+
+    def _aggregate(self, updates: list[ClientUpdate], failures: list[Failure],
+                   window: RoundState, now: float) -> dict[str, Any]:
+        info = RoundInfo(self.version, self.rounds)
+        metrics = self.handler.aggregate(updates, failures, info)
+        self.version += 1
+        reasons = [f.reason for f in failures]
+        works = [u.work.fraction for u in updates]
+        return {"version": self.version, "time": now, "round_s": now - window.started,
+                "updates": len(updates), "late": reasons.count("late"),
+                "dead": reasons.count("dead"), "failed": len(failures),
+                "partial": sum(1 for u in updates if u.work.fraction < 1.0),
+                "work_fraction": float(np.mean(works)) if works else 0.0,
+                "stale_max": max((u.staleness for u in updates), default=0),
+                "bytes_up": window.bytes_up, "bytes_down": window.bytes_down,
+                "params_up": window.params_up, "params_down": window.params_down,
+                "participants": sorted(u.client for u in updates),
+                "partial_clients": sorted(u.client for u in updates if u.work.fraction < 1.0),
+                "failures": {str(f.client): f.reason for f in failures},
+                "agg": {k: float(v) for k, v in (metrics or {}).items()}}
+
+    def _after_aggregation(self, record: dict[str, Any], now: float) -> list[Out]:
+        out: list[Out] = []
+        if self.version % self.fed.eval_every == 0 or self.version >= self.rounds:
+            out += self._start_eval(record, now)
+        else:
+            self.records.append(record)
+        if self.version >= self.rounds and not self.evals:
+            out += self._finish(now)
+        if self.async_mode:
+            return out
+        return out + self._progress(now)
+
+    # --- async ---
+
+    def _async_fill(self, now: float) -> list[Out]:
+        if self.version >= self.rounds:
+            return []
+        concurrency = self.fed.concurrency or self.fed.clients
+        busy = {t.client for t in self.tasks.values()}
+        idle = sorted(self.live - busy - self.buffered_clients)
+        slots = concurrency - len(busy)
+        out = []
+        if slots > 0 and idle:
+            deadline = now + self.fed.deadline_s if self.fed.deadline_s > 0 else \
+                now + self.fed.hard_deadline_s
+            for c in self._sample(idle, slots):
+                body = self._task_body(c, self.version, now, deadline)
+                out.append(Out("task", client_address(c), self.version, body))
+        return out
+
+    def _async_update(self, upd: ClientUpdate, nbytes: int, params: int,
+                      now: float) -> list[Out]:
+        w = self.window
+        w.bytes_up += nbytes
+        w.params_up += params
+        if self.version - upd.version > self.fed.max_staleness:
+            self.totals["late_dropped"] += 1
+            return self._async_fill(now)
+        self.buffer.append(upd)
+        self.buffered_clients.add(upd.client)
+        out: list[Out] = []
+        buffer_size = self.fed.buffer or self.fed.concurrency or self.fed.clients
+        if len(self.buffer) >= buffer_size:
+            updates = [self._weighted(u) for u in
+                       sorted(self.buffer, key=lambda u: (u.client, u.version))]
+            failures = [Failure(c, why) for c, why in sorted(w.failures.items())]
+            record = self._aggregate(updates, failures, w, now)
+            stale = [u for u in updates if u.staleness > 0]
+            record.update(round=self.version - 1, sampled=len(updates) + len(failures),
+                          folded=len(stale),
+                          stale=[[u.client, u.version, u.staleness, u.weight] for u in stale])
+            self.buffer, self.buffered_clients = [], set()
+            self.window = RoundState(self.version, now, [], 0.0, 0.0)
+            out += self._after_aggregation(record, now)
+        return out + self._async_fill(now)
+
+    # --- evaluation ---
+
+    def _start_eval(self, record: dict[str, Any], now: float) -> list[Out]:
+        # In sync mode a client still busy with a straggling task would hold the
+        # next round back until it finished; it is evaluated another round.
+        busy = set() if self.async_mode else {t.client for t in self.tasks.values()}
+        targets = sorted(self.live - busy)
+        eid = self.next_eval_id
+        self.next_eval_id += 1
+        wait = self.fed.deadline_s * 2 if self.fed.deadline_s > 0 else self.fed.hard_deadline_s
+        final = self.version >= self.rounds
+        ev = EvalState(self.version, record["round"], now, now + wait, set(targets),
+                       record=record)
+        self.evals[eid] = ev
+        info = RoundInfo(self.version - 1, self.rounds)
+        out = []
+        for c in targets:
+            body = {"eval": eid, "version": self.version,
+                    "embed": int(self.cfg.log.embeddings) if final else 0,
+                    "payload": self.handler.make_eval(c, info)}
+            out.append(Out("eval", client_address(c), record["round"], body))
+        if not targets:
+            out += self._finish_eval(eid, now)
+        return out
+
+    def on_eval_result(self, src: str, body: dict[str, Any], now: float) -> list[Out]:
+        eid = body.get("eval")
+        ev = self.evals.get(eid) if isinstance(eid, int) else None
+        client = client_index(src)
+        if ev is None or client not in ev.expected:
+            return []
+        ev.results[client] = body
+        if len(ev.results) >= len(ev.expected):
+            return self._finish_eval(eid, now)
+        return []
+
+    def _finish_eval(self, eid: int, now: float) -> list[Out]:
+        ev = self.evals.pop(eid)
+        record = dict(ev.record)
+        record["eval_clients"] = len(ev.results)
+        record.update(summarise_eval({c: r["metrics"] for c, r in ev.results.items()}))
+        record["eval_s"] = now - ev.started
+        self.records.append(record)
+        self.final_embeddings = {c: r["embeddings"] for c, r in ev.results.items()
+                                 if r.get("embeddings")}
+        out: list[Out] = []
+        if self.version >= self.rounds and not self.evals:
+            out += self._finish(now)
+        elif not self.async_mode:
+            out += self._progress(now)
+        return out
+
+    def _finish(self, now: float) -> list[Out]:
+        if self.done:
+            return []
+        self.done = True
+        self.events.append({"event": "done", "version": self.version})
+        return [Out("shutdown", "*", self.version, {"reason": "run complete"})]
+
+    # --- checkpoints ---
+
+    def state_dict(self) -> dict[str, Any]:
+        # PCG64's state holds 128-bit integers, which msgpack cannot carry: JSON text can.
+        return {"version": self.version, "rng": json.dumps(self.rng.bit_generator.state),
+                "next_task_id": self.next_task_id, "next_eval_id": self.next_eval_id,
+                "totals": dict(self.totals), "handler": self.handler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.version = int(state["version"])
+        self.rng.bit_generator.state = json.loads(state["rng"])
+        self.next_task_id = int(state["next_task_id"])
+        self.next_eval_id = int(state["next_eval_id"])
+        self.totals.update(state["totals"])
+        self.handler.load_state_dict(state["handler"])
+
+
+def summarise_eval(per_client: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Per-client test metrics -> mean and std over clients (the papers'
+    metric) and the sample-weighted total (PFLlib's)."""
+    out: dict[str, Any] = {}
+    if not per_client:
+        return out
+    n = np.array([float(m.get("num_test", 0)) for m in per_client.values()])
+    for key in ("acc", "proto_acc", "loss"):
+        vals = np.array([float(m[key]) if m.get(key) is not None else np.nan
+                         for m in per_client.values()])
+        ok = ~np.isnan(vals)
+        if not ok.any():
+            continue
+        out[f"{key}_mean"] = float(vals[ok].mean())
+        out[f"{key}_std"] = float(vals[ok].std())
+        if n[ok].sum() > 0:
+            out[f"{key}_weighted"] = float((vals[ok] * n[ok]).sum() / n[ok].sum())
+    out["per_client"] = {str(c): {k: m[k] for k in ("acc", "proto_acc") if k in m}
+                         for c, m in sorted(per_client.items())}
+    return out

@@ -1,0 +1,146 @@
+"""The message log: every frame a server (or, optionally, a client node)
+received or sent, payload included, plus the deadline ticks that moved the
+engine, so `fedbus replay` can re-execute the run.
+
+messages.bin  8-byte magic, then records: u32 length, u32 crc32, payload.
+              payload = msgpack [direction, time, frame0, frame1] where
+              direction is "in", "out" or "tick" (frames empty for ticks).
+messages.jsonl one JSON line per record: i, off, t, dir, kind, src, dst,
+              round, seq, bytes, sha256 of the body frame.
+
+Each record reaches the OS in one unbuffered write() before its index line is
+written, and the index is flushed at least once per aggregation: so a killed
+process leaves at worst a torn last record, and every indexed record is whole.
+A short length, short payload or bad checksum at the end of messages.bin is a
+torn write and is ignored, unless the index lists a record there, or the
+damage is followed by more data: then it is corruption, reported with the
+record's index and offset, never misread.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import msgpack
+
+MAGIC = b"FBLOG1\n\x00"
+_HEAD = struct.Struct("<II")
+MAX_RECORD = 1 << 31
+
+
+class LogCorrupt(ValueError):
+    """A record before the end of the log failed its length or checksum."""
+
+
+@dataclass
+class Record:
+    index: int
+    offset: int
+    direction: str  # in | out | tick
+    time: float
+    frames: list[bytes]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(f) for f in self.frames)
+
+
+class MessageLogWriter:
+    def __init__(self, folder: str | Path, *, append: bool = False):
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.bin_path = folder / "messages.bin"
+        self.index_path = folder / "messages.jsonl"
+        resume = append and self.bin_path.exists()
+        if resume:
+            records, good_end = scan(self.bin_path)
+            self.count = len(records)
+            with open(self.bin_path, "r+b") as f:
+                f.truncate(good_end)  # drop a torn tail before appending
+        else:
+            self.count = 0
+        self._bin = open(self.bin_path, "ab" if resume else "wb", buffering=0)
+        self._index = open(self.index_path, "a" if resume else "w")
+        if not resume:
+            self._bin.write(MAGIC)
+
+    def write(self, direction: str, time: float, frames: list[bytes] | None,
+              header: dict | None = None) -> None:
+        frames = [bytes(f) for f in (frames or [])]
+        payload = msgpack.packb([direction, time, *frames], use_bin_type=True)
+        offset = self._bin.tell()
+        self._bin.write(_HEAD.pack(len(payload), zlib.crc32(payload)) + payload)
+        h = header or {}
+        body = frames[1] if len(frames) > 1 else b""
+        self._index.write(json.dumps({
+            "i": self.count, "off": offset, "t": round(time, 6), "dir": direction,
+            "kind": h.get("kind", direction), "src": h.get("src", ""), "dst": h.get("dst", ""),
+            "round": h.get("round", -1), "seq": h.get("seq", 0),
+            "bytes": sum(len(f) for f in frames),
+            "sha256": hashlib.sha256(body).hexdigest() if frames else "",
+        }) + "\n")
+        self.count += 1
+
+    def flush(self) -> None:
+        self._index.flush()
+
+    def close(self) -> None:
+        self.flush()
+        self._bin.close()
+        self._index.close()
+
+
+def scan(path: str | Path) -> tuple[list[Record], int]:
+    """Read every intact record; return them and the offset where intact data ends.
+    Raises LogCorrupt for damage that is not at the very end of the file."""
+    path = Path(path)
+    data = path.read_bytes()
+    if not data.startswith(MAGIC):
+        raise LogCorrupt(f"{path}: not a fedbus message log (bad magic)")
+    records: list[Record] = []
+    pos = len(MAGIC)
+    while pos < len(data):
+        if pos + _HEAD.size > len(data):
+            break  # torn header at the end
+        length, crc = _HEAD.unpack_from(data, pos)
+        start, end = pos + _HEAD.size, pos + _HEAD.size + length
+        if length > MAX_RECORD or end > len(data):
+            _check_torn(path, pos, len(records), f"length {length} runs past the end of the file")
+            break
+        payload = data[start:end]
+        if zlib.crc32(payload) != crc:
+            if end < len(data):
+                raise LogCorrupt(f"{path}: record {len(records)} at offset {pos}: "
+                                 "checksum mismatch")
+            _check_torn(path, pos, len(records), "checksum mismatch")
+            break
+        try:
+            direction, t, *frames = msgpack.unpackb(payload, raw=False)
+        except Exception as err:  # a checksummed record that does not parse
+            raise LogCorrupt(f"{path}: record {len(records)} at offset {pos}: {err}") from None
+        records.append(Record(len(records), pos, direction, float(t), list(frames)))
+        pos = end
+    return records, pos
+
+
+def _check_torn(path: Path, pos: int, index: int, what: str) -> None:
+    """Damage at the end is a torn write unless the index says a whole record was there."""
+    index_path = path.with_name("messages.jsonl")
+    if index_path.exists():
+        for line in index_path.read_text().splitlines():
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a torn index line
+            if entry.get("off", -1) >= pos:
+                raise LogCorrupt(f"{path}: record {index} at offset {pos}: {what}")
+
+
+def read_log(folder: str | Path) -> Iterator[Record]:
+    records, _ = scan(Path(folder) / "messages.bin")
+    return iter(records)

@@ -1,0 +1,210 @@
+"""Re-executing a run from its message log.
+
+Server replay: a fresh engine and server handler, built from the run's
+config and seed, receive the logged inputs (messages and deadline ticks) in
+logged order through the live server's own `dispatch`; every message it
+sends is compared, byte for byte, with the logged output. Arrival order is
+whatever the log says it was, so async and straggler runs replay exactly.
+
+Client replay: one client is rebuilt from the config (partition, model,
+seed) and fed every task and eval request it was sent, in order; its update
+for the chosen round is compared with the one it sent.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from fedbus.broker.wire import Message, decode, decode_body, encode_body
+from fedbus.node.config import Config, build_config
+from fedbus.node.engine import Engine, Out, client_address, count_params
+from fedbus.node.msglog import Record, read_log
+from fedbus.node.server import build_engine, dispatch
+
+
+def load_run(run_dir: str | Path) -> tuple[Config, str]:
+    run_dir = Path(run_dir)
+    try:
+        raw = json.loads((run_dir / "config.json").read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{run_dir} has no config.json: not a fedbus run directory") \
+            from None
+    run_id_path = run_dir / "run_id"
+    return build_config(raw), run_id_path.read_text().strip() if run_id_path.exists() else ""
+
+
+@dataclass
+class Divergence:
+    index: int  # message log record
+    round: int
+    field: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"record {self.index} (round {self.round}): {self.field}: {self.detail}"
+
+
+@dataclass
+class ReplayResult:
+    messages: int  # records replayed (inputs and outputs)
+    rounds: int
+    divergence: Divergence | None
+    engine: Engine
+
+
+def _first_difference(a: Any, b: Any, path: str = "body") -> str | None:
+    """The first field where two decoded bodies differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in list(a) + [k for k in b if k not in a]:
+            if key not in a or key not in b:
+                return f"{path}.{key}"
+            d = _first_difference(a[key], b[key], f"{path}.{key}")
+            if d:
+                return d
+        return None
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)) or \
+                a.dtype != b.dtype or a.shape != b.shape or a.tobytes() != b.tobytes():
+            return path
+        return None
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            return path
+        for i, (x, y) in enumerate(zip(a, b)):
+            d = _first_difference(x, y, f"{path}[{i}]")
+            if d:
+                return d
+        return None
+    return None if a == b else path
+
+
+def _compare(out: Out, rec: Record) -> Divergence | None:
+    logged = decode(rec.frames)
+    for name, mine, theirs in (("kind", out.kind, logged.kind), ("dst", out.dst, logged.dst),
+                               ("round", out.round, logged.round)):
+        if mine != theirs:
+            return Divergence(rec.index, logged.round, name, f"replay {mine!r}, log {theirs!r}")
+    body = encode_body(out.body)
+    if hashlib.sha256(body).digest() != hashlib.sha256(rec.frames[1]).digest():
+        where = _first_difference(out.body, logged.body) or "body"
+        return Divergence(rec.index, logged.round, where,
+                          f"sha256 {hashlib.sha256(body).hexdigest()[:16]} != logged "
+                          f"{hashlib.sha256(rec.frames[1]).hexdigest()[:16]}")
+    return None
+
+
+def replay_server(run_dir: str | Path, *, until_round: int | None = None) -> ReplayResult:
+    torch.set_num_threads(1)
+    cfg, run_id = load_run(run_dir)
+    engine = build_engine(cfg, run_id)
+    records = list(read_log(run_dir))
+    pending: list[Out] = []
+    count = 0
+    for rec in records:
+        if until_round is not None and engine.version >= until_round and not pending:
+            break
+        count += 1
+        if rec.direction == "out":
+            if not pending:
+                m = decode(rec.frames)
+                return ReplayResult(count, engine.version, Divergence(
+                    rec.index, m.round, "kind", f"log has an extra {m.kind} to {m.dst}"), engine)
+            out = pending.pop(0)
+            div = _compare(out, rec)
+            if div:
+                return ReplayResult(count, engine.version, div, engine)
+            if out.kind in ("task", "eval"):
+                engine.note_sent(out, rec.nbytes, count_params(out.body.get("payload")))
+            continue
+        if pending:
+            return ReplayResult(count, engine.version, Divergence(
+                rec.index, pending[0].round, "kind",
+                f"replay sent {pending[0].kind} to {pending[0].dst}, the log has none"), engine)
+        if rec.direction == "in":
+            pending = dispatch(engine, decode(rec.frames), rec.time)
+        elif rec.direction == "tick":
+            pending = engine.on_tick(rec.time)
+        elif rec.direction == "resume":
+            engine = build_engine(cfg, run_id)
+            engine.load_state_dict(decode_body(rec.frames[1],
+                                               max_frame=max(len(rec.frames[1]), 1)))
+        engine.records.clear()
+        engine.events.clear()
+    if pending and until_round is None:
+        return ReplayResult(count, engine.version, Divergence(
+            len(records), pending[0].round, "kind",
+            f"replay sent {pending[0].kind} to {pending[0].dst} after the log ends"), engine)
+    return ReplayResult(count, engine.version, None, engine)
+
+
+# --- one client ---
+
+@dataclass
+class ClientReplay:
+    client: int
+    round: int
+    task: int
+    identical: bool
+    max_abs_diff: dict[str, float]
+
+
+def _arrays(value: Any, path: str = "payload") -> Iterator[tuple[str, np.ndarray]]:
+    if isinstance(value, np.ndarray):
+        yield path, value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _arrays(v, f"{path}.{k}")
+
+
+def replay_client(run_dir: str | Path, client: int, round_: int) -> ClientReplay:
+    from fedbus.node.client_host import ClientPool, run_task
+
+    torch.set_num_threads(1)
+    cfg, _ = load_run(run_dir)
+    address = client_address(client)
+    records = list(read_log(run_dir))
+    updates: dict[int, Message] = {}
+    for rec in records:
+        if rec.direction == "in":
+            m = decode(rec.frames)
+            if m.kind == "update" and m.src == address and isinstance(m.body, dict):
+                updates[m.body.get("task")] = m
+    pool = ClientPool(cfg, torch.device("cpu"), max_resident=1)
+    handler = pool.get(client)
+    for rec in records:
+        if rec.direction != "out":
+            continue
+        m = decode(rec.frames)
+        if m.dst != address:
+            continue
+        if m.kind == "eval":
+            handler.evaluate(m.body["payload"])
+            continue
+        if m.kind != "task" or m.body.get("sim", {}).get("drop"):
+            continue
+        mine = run_task(handler, m.body)
+        if m.round != round_:
+            continue
+        logged = updates.get(m.body["task"])
+        if logged is None:
+            raise LookupError(f"c{client} never answered its round-{round_} task "
+                              f"{m.body['task']} (dropped, late past the log, or dead)")
+        mine_body = decode_body(encode_body(mine["payload"]))
+        theirs = dict(_arrays(logged.body["payload"]))
+        diffs = {}
+        for path, arr in _arrays(mine_body):
+            other = theirs.get(path)
+            if other is None or other.shape != arr.shape:
+                diffs[path] = float("inf")
+            else:
+                diffs[path] = float(np.max(np.abs(arr.astype(np.float64) -
+                                                  other.astype(np.float64)), initial=0.0))
+        identical = encode_body(mine["payload"]) == encode_body(logged.body["payload"])
+        return ClientReplay(client, round_, int(m.body["task"]), identical, diffs)
+    raise LookupError(f"the log has no task for c{client} in round {round_}")

@@ -1,0 +1,126 @@
+"""The run directory: what a run leaves behind for people and tools.
+
+    config.json       the resolved config (every key, defaults filled in)
+    metrics.jsonl     one JSON line per aggregation (with eval results when evaluated)
+    metrics.csv       the same, scalar columns only, for spreadsheets
+    summary.json      final and best accuracy, bytes, wall time
+    status.json       live state for progress displays (rewritten often)
+    checkpoint.fbk    the server's state after the last aggregation (--resume)
+    embeddings.fbk    final test embeddings + global prototypes (plots)
+    messages.bin/.jsonl  the message log (see fedbus.node.msglog)
+    logs/             JSON-lines logs of every process
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+SCALAR = (int, float, str, bool)
+ACC_KEYS = ("acc_mean", "acc_std", "acc_weighted", "proto_acc_mean", "proto_acc_std",
+            "proto_acc_weighted", "loss_mean")
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a torn last line after a crash
+    return out
+
+
+class RunDir:
+    def __init__(self, path: str | Path, *, resume: bool = False):
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / "logs").mkdir(exist_ok=True)
+        self.records: list[dict[str, Any]] = read_metrics(self.path) if resume else []
+        self._metrics = open(self.path / "metrics.jsonl", "a" if resume else "w")
+
+    def write_config(self, cfg: dict[str, Any]) -> None:
+        atomic_write(self.path / "config.json", json.dumps(cfg, indent=2).encode())
+
+    def append_metrics(self, records: Iterable[dict[str, Any]]) -> None:
+        for rec in records:
+            self.records.append(rec)
+            self._metrics.write(json.dumps(rec, sort_keys=True) + "\n")
+        self._metrics.flush()
+
+    def write_status(self, status: dict[str, Any]) -> None:
+        atomic_write(self.path / "status.json", json.dumps(status).encode())
+
+    def write_csv(self) -> None:
+        cols: list[str] = []
+        for rec in self.records:
+            for k, v in rec.items():
+                if isinstance(v, SCALAR) and k not in cols:
+                    cols.append(k)
+            for k, v in rec.get("agg", {}).items():
+                if f"agg_{k}" not in cols:
+                    cols.append(f"agg_{k}")
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore")
+        w.writeheader()
+        for rec in self.records:
+            row = {k: v for k, v in rec.items() if isinstance(v, SCALAR)}
+            row.update({f"agg_{k}": v for k, v in rec.get("agg", {}).items()})
+            w.writerow(row)
+        atomic_write(self.path / "metrics.csv", buf.getvalue().encode())
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        atomic_write(self.path / "summary.json", json.dumps(summary, indent=2).encode())
+
+    def close(self) -> None:
+        self._metrics.close()
+
+
+def summarise(records: list[dict[str, Any]], *, algorithm: str, totals: dict[str, int],
+              wall_s: float, target_acc: float = 0.0) -> dict[str, Any]:
+    evaluated = [r for r in records if "acc_mean" in r or "proto_acc_mean" in r]
+    final = {k: evaluated[-1][k] for k in ACC_KEYS if evaluated and k in evaluated[-1]}
+    best: dict[str, Any] = {}
+    for key in ("acc", "proto_acc"):
+        scored = [r for r in evaluated if f"{key}_mean" in r]
+        if scored:
+            top = max(scored, key=lambda r: r[f"{key}_mean"])
+            best[f"{key}_mean"] = top[f"{key}_mean"]
+            best[f"{key}_std"] = top.get(f"{key}_std")
+            best[f"{key}_round"] = top["round"]
+    reached = None
+    if target_acc > 0:
+        for r in evaluated:
+            if max(r.get("acc_mean", 0.0), r.get("proto_acc_mean", 0.0) or 0.0) >= target_acc:
+                reached = r["round"]
+                break
+    return {
+        "algorithm": algorithm,
+        "rounds_completed": max((r["version"] for r in records), default=0),
+        "final": final,
+        "best": best,
+        "bytes_up": totals.get("bytes_up", 0),
+        "bytes_down": totals.get("bytes_down", 0),
+        "params_up": totals.get("params_up", 0),
+        "params_down": totals.get("params_down", 0),
+        "late_dropped": totals.get("late_dropped", 0),
+        "late_folded": totals.get("late_folded", 0),
+        "rejected": totals.get("rejected", 0),
+        "rounds_to_target": reached,
+        "wall_s": round(wall_s, 3),
+    }

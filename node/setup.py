@@ -1,0 +1,49 @@
+"""What the server and the client nodes both build from a config: the data
+partition and each client's network. Kept in one place so the two sides can
+never disagree about shapes, feature dims or initial weights."""
+from __future__ import annotations
+
+from fedbus.models import arch_for_client, build_model, feature_dim_for
+from fedbus.node.config import Config, ConfigError
+from fedbus.node.data import FederatedData
+
+_DATA: dict[str, FederatedData] = {}
+
+
+def federated_data(cfg: Config) -> FederatedData:
+    """The partitioned dataset, loaded once per process (same seed, same split)."""
+    key = repr((sorted(cfg.data.items()), cfg.federation.clients, cfg.federation.seed))
+    if key not in _DATA:
+        _DATA[key] = FederatedData(dict(cfg.data), cfg.federation.clients, cfg.federation.seed)
+    return _DATA[key]
+
+
+def make_model(cfg: Config, client: int, data: FederatedData | None = None):
+    """Client `client`'s network with its seeded initial weights."""
+    data = data or federated_data(cfg)
+    arch = arch_for_client(cfg.model, client)
+    return build_model(arch, in_shape=tuple(data.in_shape), num_classes=data.num_classes,
+                       feature_dim=feature_dim_for(cfg.model),
+                       pretrained=cfg.model.pretrained, seed=cfg.federation.seed)
+
+
+def archs(cfg: Config) -> list[str]:
+    return [arch_for_client(cfg.model, i) for i in range(cfg.federation.clients)]
+
+
+def check_models(cfg: Config, needs_same_model: bool) -> int:
+    """The common feature dim of every client's network; a clear error when a
+    weight-averaging algorithm is asked to mix architectures."""
+    data = federated_data(cfg)
+    names = sorted(set(archs(cfg)))
+    if needs_same_model and len(names) > 1:
+        raise ConfigError(f"algorithm.name = {cfg.algorithm.name!r} averages model weights, "
+                          f"so every client needs one architecture; model.group gives "
+                          f"{', '.join(names)}")
+    dims = {}
+    for i in range(min(cfg.federation.clients, len(cfg.model.group) or 1)):
+        dims[arch_for_client(cfg.model, i)] = make_model(cfg, i, data).feature_dim
+    if len(set(dims.values())) > 1:
+        raise ConfigError(f"model.group gives different feature dims {dims}; set "
+                          "model.feature_dim so prototypes share one space")
+    return next(iter(dims.values()))

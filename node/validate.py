@@ -1,0 +1,103 @@
+"""Checks an update must pass before any handler sees it.
+
+The engine checks that it answers an outstanding task of this run (sender,
+task id, version); this module checks its shape: the fields the engine needs,
+the arrays the algorithm declared (dtype and shape), no NaN or Inf anywhere,
+non-negative plausible counts and class ids in range. A failing update is
+rejected with the reason, counted, and never aggregated.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+
+class Rejected(ValueError):
+    """Why an update was refused (the message goes back to the client)."""
+
+
+def _check_number(name: str, value: Any, *, low: float = 0, high: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise Rejected(f"{name} must be a number, got {type(value).__name__}")
+    if not np.isfinite(value) or value < low or (high is not None and value > high):
+        raise Rejected(f"{name} = {value!r} is out of range")
+
+
+def _walk_arrays(value: Any, path: str = "payload"):
+    if isinstance(value, np.ndarray):
+        yield path, value
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            yield from _walk_arrays(v, f"{path}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _walk_arrays(v, f"{path}[{i}]")
+    elif isinstance(value, float) and not np.isfinite(value):
+        raise Rejected(f"{path} is {value}")
+
+
+def _flatten_spec(spec: Mapping[str, Any], prefix: tuple[str, ...] = ()):
+    """{"delta": {"conv1.weight": (dtype, shape)}} -> ((delta, conv1.weight), dtype, shape).
+    Keys are kept whole: weight names contain dots."""
+    for key, value in spec.items():
+        if isinstance(value, Mapping):
+            yield from _flatten_spec(value, prefix + (key,))
+        else:
+            yield prefix + (key,), value[0], value[1]
+
+
+def _lookup(payload: Mapping[str, Any], path: tuple[str, ...]) -> Any:
+    node: Any = payload
+    for part in path:
+        if not isinstance(node, Mapping) or part not in node:
+            raise Rejected(f"payload lacks {'/'.join(path)!r}")
+        node = node[part]
+    return node
+
+
+def check_update(body: Any, spec: Mapping[str, Any], *,
+                 num_classes: int, max_samples: int) -> None:
+    if not isinstance(body, Mapping):
+        raise Rejected(f"update body must be a map, got {type(body).__name__}")
+    for key in ("task", "version", "num_samples", "work", "payload"):
+        if key not in body:
+            raise Rejected(f"update lacks {key!r}")
+    _check_number("num_samples", body["num_samples"], high=max_samples)
+    work = body["work"]
+    if not isinstance(work, Mapping):
+        raise Rejected("work must be a map")
+    for key in ("epochs_asked", "epochs_done", "steps", "samples"):
+        if key not in work:
+            raise Rejected(f"work lacks {key!r}")
+        _check_number(f"work.{key}", work[key])
+    payload = body["payload"]
+    if not isinstance(payload, Mapping):
+        raise Rejected("payload must be a map")
+    for path, dtype, shape in _flatten_spec(spec):
+        name = "/".join(path)
+        arr = _lookup(payload, path)
+        if not isinstance(arr, np.ndarray):
+            raise Rejected(f"{name} must be an array, got {type(arr).__name__}")
+        if arr.dtype != np.dtype(dtype):
+            raise Rejected(f"{name} has dtype {arr.dtype}, expected {dtype}")
+        if len(arr.shape) != len(shape) or any(
+                want is not None and got != want for got, want in zip(arr.shape, shape)):
+            raise Rejected(f"{name} has shape {tuple(arr.shape)}, expected "
+                           f"{tuple('*' if s is None else s for s in shape)}")
+    for path, arr in _walk_arrays(payload):
+        if arr.dtype.kind in "fc" and not np.isfinite(arr).all():
+            raise Rejected(f"{path} contains NaN or Inf")
+    counts = payload.get("counts")
+    if isinstance(counts, np.ndarray) and counts.size:
+        if counts.dtype.kind not in "iu":
+            raise Rejected(f"counts must be integers, got {counts.dtype}")
+        if counts.min() < 0:
+            raise Rejected("counts must be non-negative")
+        if counts.sum() > max_samples * max(1, int(work["epochs_asked"]) or 1):
+            raise Rejected(f"counts sum to {int(counts.sum())}, more than the client's "
+                           f"{max_samples} samples")
+    classes = payload.get("classes")
+    if isinstance(classes, np.ndarray) and classes.size:
+        if classes.dtype.kind not in "iu" or classes.min() < 0 or classes.max() >= num_classes:
+            raise Rejected(f"class ids must lie in [0, {num_classes})")

@@ -1,0 +1,181 @@
+"""The engine end to end: real broker, server and node processes on loopback,
+real training on scikit-learn's digits."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from helpers import (SMALL, Processes, free_port, merged, metrics, run_federation,
+                     wait_until, write_config)
+
+from fedbus.broker.wire import decode_body
+
+
+def test_sync_federation_learns_and_writes_the_run_directory(tmp_path):
+    run, summary = run_federation(tmp_path, SMALL)
+    assert summary["algorithm"] == "fedavg"
+    assert summary["rounds_completed"] == 3
+    assert summary["final"]["acc_mean"] > 0.3  # chance is 0.1
+    assert 0 <= summary["final"]["acc_std"] < 0.5
+    assert summary["bytes_up"] > 0 and summary["bytes_down"] > summary["bytes_up"] / 10
+    assert summary["params_up"] > 0
+    recs = metrics(run)
+    assert [r["round"] for r in recs] == [0, 1, 2]
+    assert all(r["updates"] == 6 and r["failed"] == 0 for r in recs)
+    assert all(len(r["per_client"]) == 6 for r in recs)
+    for name in ("config.json", "metrics.csv", "messages.bin", "messages.jsonl",
+                 "checkpoint.fbk", "logs/server.jsonl", "logs/broker.jsonl"):
+        assert (run / name).exists(), name
+    assert json.loads((run / "config.json").read_text())["federation"]["clients"] == 6
+    first_log_line = (run / "logs/server.jsonl").read_text().splitlines()[0]
+    assert "event" in json.loads(first_log_line)
+
+
+def test_partial_participation_samples_a_fraction(tmp_path):
+    cfg = merged(SMALL, federation={"fraction": 0.5, "rounds": 3})
+    run, summary = run_federation(tmp_path, cfg)
+    recs = metrics(run)
+    assert summary["rounds_completed"] == 3
+    assert all(r["sampled"] == 3 and r["updates"] == 3 for r in recs)
+    # seeded sampling picks different clients over rounds
+    assert len({tuple(r["participants"]) for r in recs}) > 1
+
+
+def test_async_mode_aggregates_every_buffer(tmp_path):
+    cfg = merged(SMALL, federation={"mode": "async", "concurrency": 4, "buffer": 2,
+                                    "rounds": 5, "eval_every": 5})
+    run, summary = run_federation(tmp_path, cfg)
+    recs = metrics(run)
+    assert summary["rounds_completed"] == 5
+    assert [r["version"] for r in recs] == [5]  # evaluated every 5 aggregations
+    assert recs[0]["updates"] == 2
+    assert summary["final"]["acc_mean"] > 0.15
+
+
+def _straggler_config(late: str) -> dict:
+    # client 2 is the last of node-0's clients and 400x slower: it misses every deadline
+    return merged(SMALL, federation={"deadline_s": 1.5, "late": late, "rounds": 4},
+                  system={"slow_clients": [2], "slow_factor": 400.0})
+
+
+def test_straggler_misses_the_deadline_and_is_folded_with_staleness_weight(tmp_path):
+    run, summary = run_federation(tmp_path, _straggler_config("fold"))
+    recs = metrics(run)
+    assert summary["rounds_completed"] == 4
+    assert recs[0]["failures"] == {"2": "late"}
+    assert 2 not in recs[0]["participants"] and recs[0]["updates"] == 5
+    folded = [entry for r in recs for entry in r["stale"]]
+    assert any(client == 2 for client, *_ in folded), recs
+    for r in recs:
+        for client, version, staleness, weight in r["stale"]:
+            assert staleness == r["round"] - version >= 1
+            assert weight == pytest.approx(1 / math.sqrt(1 + staleness))
+    assert summary["late_folded"] >= 1
+
+
+def test_straggler_update_is_dropped_with_drop_policy(tmp_path):
+    run, summary = run_federation(tmp_path, _straggler_config("drop"))
+    recs = metrics(run)
+    assert recs[0]["failures"] == {"2": "late"}
+    assert all(r["folded"] == 0 for r in recs)
+    assert summary["late_dropped"] >= 1 and summary["late_folded"] == 0
+
+
+def _global_weights(run) -> dict:
+    state = decode_body((run / "checkpoint.fbk").read_bytes(), max_frame=1 << 30)
+    return state["handler"]
+
+
+def _flat(tree, prefix=""):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _flat(v, f"{prefix}.{k}")
+    elif isinstance(tree, np.ndarray):
+        yield prefix, tree
+
+
+def test_async_with_full_buffer_equals_sync_fedavg(tmp_path):
+    sync_cfg = merged(SMALL, federation={"rounds": 2})
+    async_cfg = merged(SMALL, federation={"rounds": 2, "mode": "async", "concurrency": 6,
+                                          "buffer": 6})
+    sync_run, _ = run_federation(tmp_path, sync_cfg, name="sync")
+    async_run, _ = run_federation(tmp_path, async_cfg, name="async")
+    a, b = dict(_flat(_global_weights(sync_run))), dict(_flat(_global_weights(async_run)))
+    assert a.keys() == b.keys() and len(a) > 0
+    for key in a:
+        assert np.allclose(a[key], b[key], atol=1e-5, rtol=0), key
+
+
+def _manual_federation(tmp_path, sections):
+    port = free_port()
+    broker = f"tcp://127.0.0.1:{port}"
+    cfg = write_config(tmp_path / "cfg.toml", sections)
+    run = tmp_path / "run"
+    procs = Processes(tmp_path)
+    procs.start("broker", "broker", "--bind", broker, "--heartbeat-s", "0.3", "--liveness", "4")
+    return broker, cfg, run, procs
+
+
+def test_killed_client_node_is_dropped_and_a_restarted_node_rejoins(tmp_path):
+    sections = merged(SMALL, federation={"rounds": 10},
+                      system={"slow_clients": [3, 4, 5], "slow_factor": 30.0})
+    broker, cfg, run, procs = _manual_federation(tmp_path, sections)
+    node_args = ("--heartbeat-s", "0.3", "--liveness", "4")
+    try:
+        procs.start("server", "server", "--broker", broker, str(cfg), "--out", str(run))
+        procs.start("node-0", "node", "--broker", broker, "--clients", "0-2", "--name", "n0",
+                    *node_args)
+        procs.start("node-1", "node", "--broker", broker, "--clients", "3-5", "--name", "n1",
+                    *node_args)
+        wait_until(lambda: (run / "metrics.jsonl").exists() and len(metrics(run)) >= 1, 120,
+                   "the first round")
+        procs.kill("node-1")  # SIGKILL mid-federation
+        wait_until(lambda: any("dead" in r["failures"].values() or r["updates"] == 3
+                               for r in metrics(run)), 60, "a round without node-1")
+        procs.start("node-1b", "node", "--broker", broker, "--clients", "3-5", "--name", "n1",
+                    *node_args)
+        wait_until(lambda: procs.procs["server"].poll() is not None, 240, "the run to finish")
+        assert procs.procs["server"].returncode == 0, procs.log("server")
+        summary = json.loads((run / "summary.json").read_text())
+        recs = metrics(run)
+        assert summary["rounds_completed"] == 10
+        assert any(r["updates"] == 3 for r in recs), "a round ran on node-0's clients alone"
+        assert set(recs[-1]["participants"]) >= {3, 4, 5}, "node-1's clients came back"
+        assert "leave" in (run / "logs/server.jsonl").read_text()
+    finally:
+        procs.close()
+
+
+def test_server_killed_and_resumed_finishes_every_round(tmp_path):
+    sections = merged(SMALL, federation={"rounds": 6},
+                      system={"slow_clients": [0, 3], "slow_factor": 20.0})
+    broker, cfg, run, procs = _manual_federation(tmp_path, sections)
+    try:
+        procs.start("server", "server", "--broker", broker, str(cfg), "--out", str(run))
+        procs.start("node-0", "node", "--broker", broker, "--clients", "0-2", "--name", "n0")
+        procs.start("node-1", "node", "--broker", broker, "--clients", "3-5", "--name", "n1")
+        wait_until(lambda: (run / "metrics.jsonl").exists() and len(metrics(run)) >= 2, 120,
+                   "two rounds")
+        procs.kill("server")
+        done_before = len(metrics(run))
+        assert done_before < 6
+        procs.start("server2", "server", "--broker", broker, "--resume", str(run))
+        wait_until(lambda: procs.procs["server2"].poll() is not None, 240, "the resumed run")
+        assert procs.procs["server2"].returncode == 0, procs.log("server2")
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["rounds_completed"] == 6
+        rounds = [r["round"] for r in metrics(run)]
+        assert rounds[-1] == 5 and set(range(6)) <= set(rounds)
+    finally:
+        procs.close()
+
+
+def test_bad_config_fails_fast_with_the_key_named(tmp_path):
+    from helpers import fedbus
+
+    cfg = write_config(tmp_path / "bad.toml", {"federation": {"roundz": 3}})
+    proc = fedbus("run", str(cfg), "--out", str(tmp_path / "r"), check=False)
+    assert proc.returncode == 2
+    assert "unknown key federation.roundz" in proc.stderr
