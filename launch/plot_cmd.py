@@ -1,0 +1,71 @@
+"""`fedbus plot RUN [RUN ...]`: PNG figures of one run, or several overlaid.
+
+    fedbus plot runs/exp1                          # -> runs/exp1/plots/*.png
+    fedbus plot runs/a runs/b --label FedProto --label FedAvg --out figs/
+
+Needs matplotlib (`pip install 'fedbus[plot]'`). What each figure shows:
+docs/PLOTS.md.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+INSTALL_HINT = "pip install 'fedbus[plot]'"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run directory (several: overlaid)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="where the PNGs go (default: RUN/plots for one run, "
+                   "./plots-compare for several)")
+    p.add_argument("--label", action="append", default=[], metavar="NAME",
+                   help="legend name of the next RUN, in order (repeatable; default: the "
+                   "run directory's name and its algorithm)")
+    p.add_argument("--no-tsne", dest="tsne", action="store_false",
+                   help="skip the t-SNE of embeddings (the slowest figure)")
+    p.add_argument("--tsne-points", type=int, default=2000, metavar="N",
+                   help="at most N embeddings in the t-SNE, sampled at random (default 2000)")
+
+
+def main(args: argparse.Namespace) -> int:
+    from fedbus.node import plots
+
+    if len(args.label) > len(args.runs):
+        print(f"fedbus plot: {len(args.label)} --label for {len(args.runs)} run(s)",
+              file=sys.stderr)
+        return 2
+    runs = []
+    for i, path in enumerate(args.runs):
+        try:
+            runs.append(plots.load_run(path, args.label[i] if i < len(args.label) else None))
+        except plots.NotARunDir as err:
+            print(f"fedbus plot: {err}", file=sys.stderr)
+            return 2
+    if not args.label:
+        plots.disambiguate(runs)
+    if not plots.have_matplotlib():
+        print(f"fedbus plot: matplotlib is not installed: {INSTALL_HINT}", file=sys.stderr)
+        return 2
+    if args.tsne_points < 10:
+        print("fedbus plot: --tsne-points must be at least 10", file=sys.stderr)
+        return 2
+    if args.out:
+        out = Path(args.out)
+    elif len(runs) == 1:
+        out = runs[0].path / "plots"
+    else:
+        out = Path("plots-compare")
+    report = plots.plot_runs(runs, out, tsne=args.tsne, tsne_points=args.tsne_points)
+    for path in report.written:
+        print(f"wrote {path}")
+    for note in report.notes:
+        print(f"note: {note}", file=sys.stderr)
+    for why in report.skipped:
+        print(f"skipped {why}", file=sys.stderr)
+    if not report.written:
+        print("fedbus plot: nothing to plot (no rounds recorded, no embeddings)",
+              file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,555 @@
+"""Figures of one or more run directories (what `fedbus plot` draws).
+
+    accuracy-round.png   test accuracy against round, runs overlaid
+    accuracy-time.png    the same against wall-clock seconds
+    bytes.png            bytes up/down per round, and cumulative traffic
+    participation*.png   client x round grid: trained / partial / late / dropped ...
+    tsne*.png            t-SNE of final test embeddings with the global prototypes
+
+Everything reads the files a run leaves (see fedbus.node.rundir); a file that
+is missing (a crashed run) only skips the figures that need it. matplotlib is
+imported lazily, and only through its object API on the Agg canvas (no pyplot,
+no global backend switch), so plotting from a library or a test is safe.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedbus.node.rundir import read_metrics
+
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json")
+DPI = 110
+
+# accuracy metrics drawn, with their legend names and line styles
+ACC_METRICS = (("acc", "head", "-", "o"), ("proto_acc", "nearest prototype", "--", "s"))
+
+
+class NotARunDir(ValueError):
+    pass
+
+
+@dataclass
+class RunData:
+    path: Path
+    label: str
+    config: dict[str, Any]
+    summary: dict[str, Any] | None
+    records: list[dict[str, Any]]
+    embeddings: Path | None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def algorithm(self) -> str | None:
+        if self.summary and self.summary.get("algorithm"):
+            return str(self.summary["algorithm"])
+        name = self.config.get("algorithm", {}).get("name")
+        return str(name) if name else None
+
+
+@dataclass
+class Report:
+    written: list[Path] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+# --- loading -------------------------------------------------------------------
+
+def is_run_dir(path: str | Path) -> bool:
+    p = Path(path)
+    return p.is_dir() and any((p / name).is_file() for name in RUN_FILES)
+
+
+def _read_json(path: Path, notes: list[str]) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        notes.append(f"{path.name} unreadable ({err.__class__.__name__})")
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def load_run(path: str | Path, label: str | None = None) -> RunData:
+    p = Path(path)
+    if not p.is_dir():
+        raise NotARunDir(f"{p}: no such directory")
+    if not is_run_dir(p):
+        raise NotARunDir(f"{p}: not a run directory (none of {', '.join(RUN_FILES)})")
+    notes: list[str] = []
+    config = _read_json(p / "config.json", notes) or {}
+    summary = _read_json(p / "summary.json", notes)
+    records = _dedupe(read_metrics(p))
+    emb = p / "embeddings.fbk"
+    run = RunData(p, "", config, summary, records, emb if emb.is_file() else None, notes)
+    run.label = label or default_label(run)
+    return run
+
+
+def _dedupe(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per round, the last written (a resumed run may repeat one),
+    in round order; records without a round are dropped."""
+    by_round: dict[int, dict[str, Any]] = {}
+    for rec in records:
+        if isinstance(rec, dict) and isinstance(rec.get("round"), int):
+            by_round[rec["round"]] = rec
+    return [by_round[r] for r in sorted(by_round)]
+
+
+def default_label(run: RunData) -> str:
+    name = run.path.resolve().name
+    return f"{name} ({run.algorithm})" if run.algorithm else name
+
+
+def disambiguate(runs: list[RunData]) -> None:
+    """Runs whose default labels collide get their parent folder prefixed."""
+    counts = Counter(r.label for r in runs)
+    for r in runs:
+        if counts[r.label] > 1:
+            r.label = f"{r.path.resolve().parent.name}/{r.label}"
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-.") or "run"
+
+
+# --- matplotlib plumbing -----------------------------------------------------------
+
+def have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _figure(width: float, height: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig, path: Path, report: Report) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=DPI, facecolor="white")
+    report.written.append(path)
+
+
+def _run_colours(n: int) -> list:
+    from matplotlib import colormaps
+    cmap = colormaps["tab10"]
+    return [cmap(i % 10) for i in range(n)]
+
+
+def _class_colours(n: int) -> list:
+    from matplotlib import colormaps
+    if n <= 10:
+        return [colormaps["tab10"](i) for i in range(n)]
+    if n <= 20:
+        return [colormaps["tab20"](i) for i in range(n)]
+    cmap = colormaps["turbo"]
+    return [cmap(i / max(n - 1, 1)) for i in range(n)]
+
+
+def human_bytes(x: float, _pos: Any = None) -> str:
+    """Decimal units (1 kB = 1000 B), so axis ticks fall on round numbers."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(x) < 1000 or unit == "TB":
+            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.4g} {unit}"
+        x /= 1000.0
+    return f"{x:.4g} TB"  # unreachable
+
+
+def _log_minor_label(x: float, _pos: Any = None) -> str:
+    """Label the 2x and 5x minor ticks of a log axis (the decades are major)."""
+    if x <= 0:
+        return ""
+    lead = x / 10 ** math.floor(math.log10(x) + 1e-9)
+    return human_bytes(x) if round(lead) in (2, 5) and abs(lead - round(lead)) < 1e-6 else ""
+
+
+# --- accuracy --------------------------------------------------------------------
+
+def plot_accuracy(runs: list[RunData], axis: str, path: Path, report: Report) -> None:
+    """axis: "round" or "time" (wall seconds since the server started)."""
+    from matplotlib.ticker import MaxNLocator, PercentFormatter
+    xkey = "round" if axis == "round" else "wall_s"
+    fig = _figure(9.0, 5.2)
+    ax = fig.add_subplot()
+    drawn = 0
+    colours = _run_colours(len(runs))
+    single = len(runs) == 1
+    for run, colour in zip(runs, colours):
+        for key, name, style, marker in ACC_METRICS:
+            pts = [r for r in run.records
+                   if _num(r.get(f"{key}_mean")) is not None and _num(r.get(xkey)) is not None]
+            if not pts:
+                continue
+            x = np.array([float(r[xkey]) for r in pts])
+            y = np.array([float(r[f"{key}_mean"]) for r in pts])
+            sd = np.array([_num(r.get(f"{key}_std")) or 0.0 for r in pts])
+            label = name if single else f"{run.label}: {name}"
+            kw = {"marker": marker, "markersize": 4} if len(pts) <= 60 else {}
+            ax.plot(x, y, style, color=colour if not single or key == "acc" else "C1",
+                    label=label, linewidth=1.8, **kw)
+            ax.fill_between(x, np.clip(y - sd, 0, None), np.clip(y + sd, None, 1.0),
+                            color=colour if not single or key == "acc" else "C1",
+                            alpha=0.15, linewidth=0)
+            drawn += 1
+    what = "round" if axis == "round" else "wall time"
+    if not drawn:
+        report.skipped.append(f"{path.name}: no evaluated rounds in any run")
+        return
+    for run in runs:
+        if not any(_num(r.get("acc_mean")) is not None or _num(r.get("proto_acc_mean"))
+                   is not None for r in run.records):
+            report.skipped.append(f"{path.name}: {run.label} has no evaluated rounds")
+    ax.set_xlabel("round (0-based, as in metrics.jsonl)" if axis == "round"
+                  else "wall time since the server started (s)")
+    if axis == "round":
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel("test accuracy (mean over clients)")
+    ax.yaxis.set_major_formatter(PercentFormatter(xmax=1.0))
+    lo, hi = ax.get_ylim()
+    ax.set_ylim(max(lo, 0.0), min(hi, 1.02))
+    ax.grid(True, alpha=0.3)
+    title = f"Test accuracy against {what}"
+    if single:
+        title = f"{runs[0].label}: test accuracy against {what}"
+    ax.set_title(title + "\n(shaded: ± std over clients)", fontsize=11)
+    if drawn <= 4:
+        ax.legend(loc="best", fontsize=9)
+    else:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    _save(fig, path, report)
+
+
+def _num(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return float(v) if math.isfinite(v) else None
+
+
+# --- bytes -------------------------------------------------------------------------
+
+def plot_bytes(runs: list[RunData], path: Path, report: Report) -> None:
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+    series = []
+    for run in runs:
+        recs = [r for r in run.records if "bytes_up" in r or "bytes_down" in r]
+        if not recs:
+            if run.records:  # else already said by plot_runs
+                report.skipped.append(f"{path.name}: {run.label} has no traffic recorded")
+            continue
+        x = np.array([r["round"] for r in recs], dtype=float)
+        up = np.array([float(r.get("bytes_up") or 0) for r in recs])
+        down = np.array([float(r.get("bytes_down") or 0) for r in recs])
+        series.append((run, x, up, down))
+    if not series:
+        report.skipped.append(f"{path.name}: no rounds recorded in any run")
+        return
+    fig = _figure(12.0, 5.0)
+    ax1, ax2 = fig.subplots(1, 2)
+    colours = _run_colours(len(runs))
+    colour_of = {id(r): c for r, c in zip(runs, colours)}
+    single = len(series) == 1
+    positive = np.concatenate([np.concatenate([u, d]) for _, _, u, d in series])
+    positive = positive[positive > 0]
+    from matplotlib.lines import Line2D
+    for run, x, up, down in series:
+        c = colour_of[id(run)]
+        kw = {"marker": "o", "markersize": 3} if len(x) <= 60 else {}
+        ax1.plot(x, up, "-", color="C0" if single else c, **kw)
+        ax1.plot(x, down, "--", color="C3" if single else c, **kw)
+        ax2.plot(x, np.cumsum(up + down), "-", color=c, label=run.label, linewidth=1.8)
+    if single:
+        handles = [Line2D([], [], color="C0", linestyle="-", label="up (client → server)"),
+                   Line2D([], [], color="C3", linestyle="--", label="down (server → client)")]
+    else:  # colour: the run (as on the right); line style: the direction
+        handles = [Line2D([], [], color="black", linestyle="-", label="up (client → server)"),
+                   Line2D([], [], color="black", linestyle="--",
+                          label="down (server → client)")]
+    logscale = len(positive) and positive.max() / positive.min() > 50
+    if logscale:
+        ax1.set_yscale("log")
+        ax1.yaxis.set_minor_formatter(FuncFormatter(_log_minor_label))
+    fmt = FuncFormatter(human_bytes)
+    for ax in (ax1, ax2):
+        ax.yaxis.set_major_formatter(fmt)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("round")
+        ax.grid(True, alpha=0.3)
+    if not logscale:  # from 0, with room above the highest line
+        ax1.set_ylim(0, max(float(positive.max()) if len(positive) else 1.0, 1.0) * 1.1)
+    ax1.set_ylabel("bytes per round (all clients)" + (", log scale" if logscale else ""))
+    ax1.set_title("Traffic per round", fontsize=11)
+    ax2.set_ylabel("cumulative bytes (up + down)")
+    ax2.set_ylim(bottom=0)
+    ax2.set_title("Cumulative traffic", fontsize=11)
+    ax1.legend(handles=handles, fontsize=8, loc="best")
+    ax2.legend(fontsize=8, loc="upper left")
+    if single:
+        fig.suptitle(series[0][0].label, fontsize=12)
+    _save(fig, path, report)
+
+
+# --- participation -----------------------------------------------------------------
+
+# code, legend name, colour
+STATUSES = (
+    (0, "not sampled", "#eeeeee"),
+    (1, "trained", "#1b7837"),
+    (2, "partial work", "#a6dba0"),
+    (3, "late update folded in", "#4393c3"),
+    (4, "late", "#f4a442"),
+    (5, "dropped", "#d6301f"),
+    (6, "dead", "#3a3a3a"),
+    (7, "rejected / error", "#8c6bb1"),
+)
+FAILURE_CODE = {"late": 4, "dropped": 5, "dead": 6, "rejected": 7, "error": 7}
+
+
+def participation_matrix(records: list[dict[str, Any]], clients: int | None
+                         ) -> tuple[np.ndarray, list[int]]:
+    """[clients, rounds] status codes (see STATUSES) and the rounds (columns)."""
+    seen = 0
+    for rec in records:
+        ids = list(rec.get("participants") or []) + [int(c) for c in (rec.get("failures") or {})
+                                                      if str(c).lstrip("-").isdigit()]
+        if ids:
+            seen = max(seen, max(int(c) for c in ids) + 1)
+    n = max(int(clients or 0), seen)
+    rounds = [int(r["round"]) for r in records]
+    grid = np.zeros((n, len(rounds)), dtype=np.int8)
+    for j, rec in enumerate(records):
+        # one cell, one status: a fresh update > a failure of this round's task >
+        # a late update from an earlier round folded in here
+        stale = Counter(int(s[0]) for s in (rec.get("stale") or [])
+                        if isinstance(s, (list, tuple)) and s)
+        partial = {int(c) for c in rec.get("partial_clients") or []}
+        fresh: dict[int, int] = {}
+        for c, k in Counter(int(c) for c in rec.get("participants") or []).items():
+            if not 0 <= c < n:
+                continue
+            if k > stale.get(c, 0) or c in partial:
+                fresh[c] = 2 if c in partial else 1
+            else:
+                grid[c, j] = 3
+        for c, why in (rec.get("failures") or {}).items():
+            if str(c).lstrip("-").isdigit() and 0 <= int(c) < n:
+                grid[int(c), j] = FAILURE_CODE.get(str(why), 7)
+        for c, code in fresh.items():
+            grid[c, j] = code
+    return grid, rounds
+
+
+def plot_participation(run: RunData, path: Path, report: Report) -> None:
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+    if not run.records:
+        report.skipped.append(f"{path.name}: {run.label} has no rounds recorded")
+        return
+    clients = run.config.get("federation", {}).get("clients")
+    grid, rounds = participation_matrix(run.records, clients if isinstance(clients, int)
+                                        else None)
+    n, r = grid.shape
+    if n == 0:
+        report.skipped.append(f"{path.name}: {run.label} has no clients")
+        return
+    width = min(max(4.0 + 0.3 * r, 8.0), 16.0)
+    height = min(max(2.2 + 0.28 * n, 4.0), 12.0)
+    fig = _figure(width, height)
+    ax = fig.add_subplot()
+    cmap = ListedColormap([c for _, _, c in STATUSES])
+    ax.imshow(grid, cmap=cmap, vmin=-0.5, vmax=len(STATUSES) - 0.5, aspect="auto",
+              interpolation="nearest", origin="upper",
+              extent=(rounds[0] - 0.5, rounds[-1] + 0.5, n - 0.5, -0.5))
+    if n <= 60 and r <= 120:
+        ax.set_xticks(np.arange(rounds[0] - 0.5, rounds[-1] + 0.5, 1), minor=True)
+        ax.set_yticks(np.arange(-0.5, n, 1), minor=True)
+        ax.grid(which="minor", color="white", linewidth=1.0)
+        ax.tick_params(which="minor", length=0)
+    from matplotlib.ticker import MaxNLocator
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=min(r, 20)))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True, nbins=min(n, 25)))
+    ax.set_xlabel("round")
+    ax.set_ylabel("client")
+    present = set(np.unique(grid).tolist())
+    handles = [Patch(facecolor=c, edgecolor="#999999", label=name)
+               for code, name, c in STATUSES if code in present]
+    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 4),
+               fontsize=9, frameon=False)
+    trained = np.isin(grid, (1, 2, 3)).sum()
+    ax.set_title(f"{run.label}: participation ({n} clients × {r} rounds, "
+                 f"{trained} updates aggregated)", fontsize=11)
+    _save(fig, path, report)
+
+
+# --- t-SNE of embeddings -------------------------------------------------------------
+
+def load_embeddings(path: Path) -> dict[str, Any]:
+    from fedbus.broker.wire import decode_body
+    raw = path.read_bytes()
+    body = decode_body(raw, max_frame=max(len(raw), 1))
+    if not isinstance(body, dict):
+        raise TypeError("embeddings.fbk does not hold a map")
+    return body
+
+
+def tsne_inputs(body: dict[str, Any], max_points: int, seed: int = 0
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, list[str]]:
+    """(h [n, D], y [n], protos [p, D], proto classes [p], clients used, notes)."""
+    notes: list[str] = []
+    protos = body.get("protos")
+    pv = np.zeros((0, 0), np.float32)
+    pc = np.zeros(0, np.int64)
+    if protos is not None:
+        p = np.asarray(protos, dtype=np.float64)
+        if p.ndim in (2, 3) and p.size:
+            classes = np.arange(p.shape[0])
+            if p.ndim == 3:  # [C, K, D]: a pool of prototypes per class
+                classes = np.repeat(classes, p.shape[1])
+            p = p.reshape(-1, p.shape[-1])
+            ok = np.isfinite(p).all(axis=1)
+            mask = body.get("mask")
+            if mask is not None:
+                m = np.asarray(mask, dtype=bool).reshape(-1)
+                ok &= m if m.shape == ok.shape else True
+            else:
+                ok &= np.abs(p).sum(axis=1) > 0
+            pv, pc = p[ok], classes[ok]
+        else:
+            notes.append(f"prototypes of shape {p.shape} not understood")
+    dim = pv.shape[1] if len(pv) else None
+    hs, ys, used = [], [], 0
+    clients = body.get("clients") or {}
+    for cid in sorted(clients, key=lambda c: (len(str(c)), str(c))):
+        entry = clients[cid]
+        if not isinstance(entry, dict) or entry.get("h") is None or entry.get("y") is None:
+            continue
+        h = np.asarray(entry["h"], dtype=np.float64)
+        y = np.asarray(entry["y"]).reshape(-1).astype(np.int64)
+        if h.ndim != 2 or len(h) != len(y) or not len(h):
+            continue
+        if dim is None:
+            dim = h.shape[1]
+        if h.shape[1] != dim:
+            notes.append(f"client {cid}: embedding dim {h.shape[1]} != {dim}, left out")
+            continue
+        ok = np.isfinite(h).all(axis=1)
+        hs.append(h[ok])
+        ys.append(y[ok])
+        used += 1
+    if not hs:
+        return np.zeros((0, dim or 0)), np.zeros(0, np.int64), pv, pc, 0, notes
+    h, y = np.concatenate(hs), np.concatenate(ys)
+    if len(h) > max_points:
+        pick = np.sort(np.random.default_rng(seed).choice(len(h), max_points, replace=False))
+        notes.append(f"{len(h)} embeddings, a random {max_points} shown")
+        h, y = h[pick], y[pick]
+    return h, y, pv, pc, used, notes
+
+
+def plot_tsne(run: RunData, path: Path, report: Report, *, max_points: int = 2000) -> None:
+    if run.embeddings is None:
+        rounds = run.config.get("federation", {}).get("rounds")
+        done = (run.summary or {}).get("rounds_completed")
+        if run.summary is None or (isinstance(rounds, int) and isinstance(done, int)
+                                   and done < rounds):
+            why = "the run did not finish"
+        else:
+            why = "log.embeddings = 0, or no client answered the final evaluation"
+        report.skipped.append(f"{path.name}: {run.label} has no embeddings.fbk ({why})")
+        return
+    try:
+        body = load_embeddings(run.embeddings)
+    except (OSError, ValueError, TypeError) as err:  # WireError is a ValueError
+        report.skipped.append(f"{path.name}: {run.embeddings} unreadable ({err})")
+        return
+    h, y, pv, pc, used, notes = tsne_inputs(body, max_points)
+    for note in notes:
+        report.notes.append(f"{path.name}: {run.label}: {note}")
+    n = len(h) + len(pv)
+    if len(h) < 5 or n < 6:
+        report.skipped.append(f"{path.name}: {run.label}: too few embeddings ({len(h)}) "
+                              "for a t-SNE")
+        return
+    from sklearn.manifold import TSNE
+    x = np.concatenate([h, pv]) if len(pv) else h
+    # one scale for embeddings and prototypes alike, as t-SNE sees distances
+    x = (x - x.mean(axis=0)) / (x.std() + 1e-12)
+    z = TSNE(n_components=2, perplexity=float(min(30, n - 1)), init="pca",
+             learning_rate="auto", random_state=0).fit_transform(x.astype(np.float32))
+    zh, zp = z[:len(h)], z[len(h):]
+    num_classes = int(max(y.max(initial=-1), pc.max(initial=-1)) + 1)
+    colours = _class_colours(num_classes)
+    fig = _figure(9.0, 7.2)
+    ax = fig.add_subplot()
+    from matplotlib.lines import Line2D
+    handles = []
+    for c in range(num_classes):
+        sel = y == c
+        if sel.any():
+            ax.scatter(zh[sel, 0], zh[sel, 1], s=14, color=colours[c], alpha=0.65,
+                       linewidths=0)
+        psel = pc == c
+        if psel.any():
+            ax.scatter(zp[psel, 0], zp[psel, 1], s=380, marker="*", color=colours[c],
+                       edgecolors="black", linewidths=1.3, zorder=3)
+        if sel.any() or psel.any():
+            handles.append(Line2D([], [], marker="o", linestyle="", color=colours[c],
+                                  markersize=7, label=f"class {c}"))
+    if len(pv):
+        handles.append(Line2D([], [], marker="*", linestyle="", color="#bbbbbb",
+                              markeredgecolor="black", markersize=15,
+                              label="global prototype"))
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.set_xlabel("t-SNE 1")
+    ax.set_ylabel("t-SNE 2")
+    protos = f"{len(pv)} global prototypes (stars)" if len(pv) else "no global prototypes"
+    ax.set_title(f"{run.label}: t-SNE of {len(h)} test embeddings from {used} clients,\n"
+                 f"{protos}; colour = class", fontsize=11)
+    if len(handles) <= 21:
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9,
+                  frameon=False)
+    _save(fig, path, report)
+
+
+# --- all of them ------------------------------------------------------------------
+
+def plot_runs(runs: list[RunData], out: Path, *, tsne: bool = True,
+              tsne_points: int = 2000) -> Report:
+    report = Report()
+    for run in runs:
+        for note in run.notes:
+            report.skipped.append(f"{run.label}: {note}")
+        if not run.records:
+            report.skipped.append(f"{run.label}: metrics.jsonl missing or empty "
+                                  "(no round was recorded)")
+    plot_accuracy(runs, "round", out / "accuracy-round.png", report)
+    plot_accuracy(runs, "time", out / "accuracy-time.png", report)
+    plot_bytes(runs, out / "bytes.png", report)
+    names: set[str] = set()
+    for run in runs:
+        suffix = ""
+        if len(runs) > 1:
+            suffix = "-" + slug(run.label)
+            while suffix in names:
+                suffix += "_"
+            names.add(suffix)
+        plot_participation(run, out / f"participation{suffix}.png", report)
+        if tsne:
+            plot_tsne(run, out / f"tsne{suffix}.png", report, max_points=tsne_points)
+    return report
