@@ -159,20 +159,30 @@ class LocalRun:
     """The engine's side of one local update: which minibatches, how many
     epochs, and when to stop. A handler iterates `batches()`; the work done
     is recorded in `work` whether the run finished, ran out of time, or was
-    asked to do only part of its epochs."""
+    asked to do only part of its epochs.
+
+    A simulated slow device (slow_factor > 1) runs on a virtual clock: every
+    second of real work counts as slow_factor seconds, so a time budget cuts it
+    exactly where it would cut a device that much slower, and the node holds
+    its update back until the virtual time has passed. A real slow device takes
+    the same path with slow_factor 1."""
 
     def __init__(self, ctx: ClientContext, *, epochs: int, seed: int,
                  epochs_to_run: float | None = None, budget_s: float = 0.0,
-                 slow_factor: float = 1.0, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep):
+                 slow_factor: float = 1.0, clock: Callable[[], float] = time.monotonic):
         self.ctx = ctx
         self.epochs = int(epochs)
         self.epochs_to_run = float(epochs if epochs_to_run is None else epochs_to_run)
         self.budget_s = float(budget_s)
-        self.slow_factor = float(slow_factor)
+        self.slow_factor = max(1.0, float(slow_factor))
         self.seed = int(seed)
-        self._clock, self._sleep = clock, sleep
+        self._clock = clock
+        self._start = clock()
         self.work = Work(self.epochs, 0.0, 0, 0, "done")
+
+    def elapsed(self) -> float:
+        """Seconds of (virtual) device time since the run began."""
+        return (self._clock() - self._start) * self.slow_factor
 
     def steps_per_epoch(self) -> int:
         return max(1, math.ceil(len(self.ctx.train_y) / self.ctx.train["batch_size"]))
@@ -189,27 +199,21 @@ class LocalRun:
             total = max(1, round(self.epochs_to_run * per_epoch))
             self.work.stopped = "partial"
         gen = torch.Generator().manual_seed(self.seed)
-        start = self._clock()
         step = 0
         while step < total:
             order = torch.randperm(n, generator=gen).to(self.ctx.device)
             for i in range(per_epoch):
                 if step >= total:
                     break
-                if self.budget_s > 0 and self._clock() - start >= self.budget_s:
+                if self.budget_s > 0 and self.elapsed() >= self.budget_s:
                     self.work.stopped = "budget"
                     return
-                t0 = self._clock()
                 idx = order[i * bs:(i + 1) * bs]
                 yield self.ctx.train_x[idx], self.ctx.train_y[idx]
                 step += 1
                 self.work.steps = step
                 self.work.samples += len(idx)
                 self.work.epochs_done = step / per_epoch
-                if self.slow_factor > 1.0:
-                    # A simulated slow device takes the same path as a real one: it is
-                    # just slower, so budgets and deadlines cut it the same way.
-                    self._sleep((self.slow_factor - 1.0) * (self._clock() - t0))
 
 
 class ClientHandler:

@@ -9,6 +9,8 @@ machine can host a thousand small clients.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 import os
 import time
 from collections import OrderedDict
@@ -119,11 +121,16 @@ class ClientNode:
         self.pool: ClientPool | None = None
         self.msglog: MessageLogWriter | None = None
         self.peer: Peer | None = None
+        self.deferred: list = []  # heap of (due, order, task message, update body)
+        self._order = itertools.count()
 
     def configure(self, run_id: str, raw: dict[str, Any]) -> None:
-        cfg = build_config(raw)
-        if self.pool is not None and run_id == self.run_id:
-            return  # the same run again (e.g. the server re-registered)
+        if self.pool is None or run_id != self.run_id:  # else the server re-registered
+            self._build(run_id, build_config(raw))
+        self.peer.send("config", SERVER, {"node": self.name, "run": run_id},
+                       src=client_address(self.clients[0]))
+
+    def _build(self, run_id: str, cfg: Config) -> None:
         self.cfg, self.run_id = cfg, run_id
         torch.set_num_threads(cfg.launch.threads)
         spool = None
@@ -134,6 +141,10 @@ class ClientNode:
         self.pool = ClientPool(cfg, self.device,
                                max_resident=self.max_resident or cfg.launch.max_resident,
                                evict_to=evict_to, spool=spool)
+        # Warm up before reporting ready: the first model and optimizer import
+        # and initialise parts of torch, which takes seconds once per process.
+        for client in self.clients[:self.pool.max_resident]:
+            self.pool.get(client)
         if cfg.log.client_messages and self.log_dir is not None:
             self.msglog = MessageLogWriter(self.log_dir / f"messages-{self.name}")
         log.info("configured", run=run_id, algorithm=cfg.algorithm.name, device=str(self.device),
@@ -147,7 +158,7 @@ class ClientNode:
         log.info("node ready", node=self.name, clients=len(self.clients), device=str(self.device))
         try:
             while True:
-                msg = peer.recv(timeout=1.0)
+                msg = peer.recv(timeout=max(0.0, min(1.0, self.send_due())))
                 if msg is None:
                     continue
                 if self.msglog is not None:
@@ -196,8 +207,22 @@ class ClientNode:
         if sim.get("drop"):
             log.info("simulated drop", client=client, task=body["task"])
             return
-        update = run_task(self.pool.get(client), body)
-        self._send("update", msg, update)
+        started = time.monotonic()
+        update, took = run_task(self.pool.get(client), body)
+        due = started + took
+        if due > time.monotonic():
+            # a simulated slow device: its answer leaves when that device would be done,
+            # while this node serves its other clients
+            heapq.heappush(self.deferred, (due, next(self._order), msg, update))
+        else:
+            self._send("update", msg, update)
+
+    def send_due(self) -> float:
+        """Send held-back updates whose time has come; seconds until the next."""
+        while self.deferred and self.deferred[0][0] <= time.monotonic():
+            _, _, msg, update = heapq.heappop(self.deferred)
+            self._send("update", msg, update)
+        return self.deferred[0][0] - time.monotonic() if self.deferred else 1.0
 
     def on_eval(self, msg: Message) -> None:
         body = msg.body
@@ -210,17 +235,17 @@ class ClientNode:
         self._send("eval_result", msg, result)
 
 
-def run_task(handler: ClientHandler, body: dict[str, Any]) -> dict[str, Any]:
-    """One local update from a task body; the update body to send. Also used
-    by `fedbus replay --client` to re-run a logged task."""
+def run_task(handler: ClientHandler, body: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    """One local update from a task body: the update body to send, and the
+    (virtual) seconds it took. Also used by `fedbus replay --client`."""
     sim = body.get("sim", {})
     torch.manual_seed(int(body["seed"]))
     run = LocalRun(handler.ctx, epochs=int(body["epochs"]), seed=int(body["seed"]),
                    epochs_to_run=float(sim.get("epochs_to_run", body["epochs"])),
                    budget_s=float(body.get("budget_s", 0.0)),
                    slow_factor=float(sim.get("slow_factor", 1.0)))
-    t0 = time.perf_counter()
     payload = handler.train(body["payload"], run)
+    took = run.elapsed()
     return {"task": body["task"], "version": body["version"],
             "num_samples": int(len(handler.ctx.train_y)), "work": run.work.to_dict(),
-            "payload": payload, "train_s": round(time.perf_counter() - t0, 4)}
+            "payload": payload, "train_s": round(took, 4)}, took

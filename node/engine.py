@@ -195,11 +195,19 @@ class Engine:
                 continue
             if 0 <= c < self.fed.clients:
                 ids.append(c)
+        # The node's clients count as live once it says it is configured: building
+        # data and the first models takes seconds that must not eat a round's deadline.
         self.nodes[node] = ids
-        self.live.update(ids)
-        out = [Out("config", node, -1, {"run": self.run_id, "config": self.cfg.to_dict()})]
         self.events.append({"event": "join", "node": node, "clients": len(ids)})
-        return out + self._progress(now)
+        return [Out("config", node, -1, {"run": self.run_id, "config": self.cfg.to_dict()})]
+
+    def on_configured(self, node: str, run: str, now: float) -> list[Out]:
+        ids = self.nodes.get(node)
+        if ids is None or run != self.run_id:
+            return []
+        self.live.update(ids)
+        self.events.append({"event": "node_ready", "node": node, "clients": len(ids)})
+        return self._progress(now)
 
     def on_leave(self, node: str, clients: list[str], now: float) -> list[Out]:
         ids = self.nodes.pop(node, None)
@@ -451,6 +459,8 @@ class Engine:
         w = self.window
         w.bytes_up += nbytes
         w.params_up += params
+        if self.version >= self.rounds:
+            return []  # the last aggregation is done; the final evaluation is running
         if self.version - upd.version > self.fed.max_staleness:
             self.totals["late_dropped"] += 1
             return self._async_fill(now)

@@ -188,7 +188,7 @@ def replay_client(run_dir: str | Path, client: int, round_: int) -> ClientReplay
             continue
         if m.kind != "task" or m.body.get("sim", {}).get("drop"):
             continue
-        mine = run_task(handler, m.body)
+        mine, _ = run_task(handler, m.body)
         if m.round != round_:
             continue
         logged = updates.get(m.body["task"])

@@ -77,6 +77,8 @@ def dispatch(engine: Engine, msg: Message, now: float) -> list[Out]:
                         {"code": "rejected", "reason": reason,
                          "task": task if isinstance(task, int) else None})]
         return engine.on_update(msg.src, body, msg.nbytes, now)
+    if kind == "config" and isinstance(body, dict):
+        return engine.on_configured(str(body.get("node", "")), str(body.get("run", "")), now)
     if kind == "error" and isinstance(body, dict) and body.get("code") == "handler_failed":
         return engine.on_task_failed(msg.src, body.get("task"), now)
     if kind == "eval_result":
