@@ -90,6 +90,10 @@ class RoundState:
     def pending(self) -> list[int]:
         return [c for c in self.sampled if c not in self.updates and c not in self.failures]
 
+    def complete(self) -> bool:
+        # O(1) on the hot path: a sampled client ends in updates or failures, never both
+        return len(self.updates) + len(self.failures) >= len(self.sampled)
+
 
 @dataclass
 class EvalState:
@@ -281,7 +285,7 @@ class Engine:
             return self._async_fill(now)
         if self.round is None and not self.evals and self.version < self.rounds:
             return self._start_round(now)
-        if self.round is not None and not self.round.pending():
+        if self.round is not None and self.round.complete():
             return self._close_round(now)
         return []
 
