@@ -27,6 +27,7 @@ from fedbus.broker.wire import Message
 from fedbus.node.config import Config, build_config
 from fedbus.node.engine import SERVER, client_address, client_index
 from fedbus.node.msglog import MessageLogWriter
+from fedbus.node.privacy import protect
 from fedbus.node.setup import federated_data, make_model
 
 log = get_logger("fedbus.node")
@@ -83,7 +84,7 @@ class ClientPool:
                             test_y=tensor(part.test_y, torch.int64),
                             num_classes=self.data.num_classes, feature_dim=model.feature_dim,
                             params=dict(cfg.algorithm), train=dict(cfg.train),
-                            seed=cfg.federation.seed)
+                            seed=cfg.federation.seed, extra={"privacy": dict(cfg.privacy)})
         return self.algo.client(ctx)
 
     def _stash(self, client: int, state: dict[str, Any]) -> Any:
@@ -255,6 +256,9 @@ def run_task(handler: ClientHandler, body: dict[str, Any]) -> tuple[dict[str, An
                    slow_factor=float(sim.get("slow_factor", 1.0)))
     payload = handler.train(body["payload"], run)
     took = run.elapsed()
+    privacy = handler.ctx.extra.get("privacy")
+    if privacy:
+        payload = protect(payload, privacy, int(body["seed"]))
     return {"task": body["task"], "version": body["version"],
             "num_samples": int(len(handler.ctx.train_y)), "work": run.work.to_dict(),
             "payload": payload, "train_s": round(took, 4)}, took

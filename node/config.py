@@ -94,6 +94,12 @@ SCHEMA: dict[str, dict[str, Opt]] = {
                          max=1.0),
         "partial_work": Opt(False, "clients run F' ~ U[0, F] epochs (FedProx-style)"),
     },
+    "privacy": {
+        "clip_norm": Opt(0.0, "clip each uploaded prototype to this L2 norm (0 = off)", min=0.0),
+        "noise_sigma": Opt(0.0, "Gaussian noise added to uploaded prototypes (0 = off)",
+                           min=0.0),
+        "withhold_counts": Opt(False, "upload class presence (0/1) instead of sample counts"),
+    },
     "bus": {
         "broker": Opt("", "broker address; empty lets `fedbus run` start one on loopback"),
         "transport": Opt("tcp", "transport for a local run", ("tcp", "ipc")),
