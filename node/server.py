@@ -8,6 +8,7 @@ exactly the live server's path.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from pathlib import Path
@@ -18,6 +19,7 @@ from fedbus.algorithms.base import ServerContext, ServerHandler
 from fedbus.broker.log import get_logger
 from fedbus.broker.peer import Peer
 from fedbus.broker.wire import Message, decode_body, encode_body
+from fedbus.models import describe_group
 from fedbus.node.config import Config
 from fedbus.node.engine import SERVER, Engine, Out, client_index, count_params
 from fedbus.node.msglog import MessageLogWriter
@@ -137,6 +139,7 @@ class ServerNode:
             self.msglog = MessageLogWriter(self.run.path, append=self.resume)
         if self.resume:
             self._restore()
+        self._describe_models()
         peer = Peer(self.broker, SERVER, role="server", run=self.run_id,
                     heartbeat_s=cfg.bus.heartbeat_s, liveness=cfg.bus.liveness,
                     max_frame=cfg.bus.max_frame_mb << 20)
@@ -171,6 +174,16 @@ class ServerNode:
             self._finish()
             peer.close()
         return 0
+
+    def _describe_models(self) -> None:
+        """Parameter counts and feature dims of the federation's networks."""
+        cfg = self.cfg
+        data = federated_data(cfg)
+        rows = describe_group(cfg.model, num_clients=cfg.federation.clients,
+                              in_shape=tuple(data.in_shape), num_classes=data.num_classes)
+        atomic_write(self.run.path / "models.json", json.dumps(rows).encode())
+        for row in rows:
+            log.info("model", **row)
 
     def _send(self, peer: Peer, outs: list[Out]) -> None:
         for out in outs:
