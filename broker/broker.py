@@ -1,0 +1,845 @@
+"""The fedbus broker: one ROUTER socket that routes messages between registered nodes.
+
+Built from small verbs in the style of the zguide's Majordomo broker:
+
+    run -> process_batch -> dispatch -> (process_node | route | broadcast | refuse)
+        -> send_heartbeats / purge_dead / expire_parked / flush_pending / log_stats
+
+Nodes register the addresses (client ids) they host and their role; the broker keeps the
+routing table address -> node, tells the server about joins/leaves, enforces the role rules
+(only the server addresses clients or broadcasts; a client node addresses only the server,
+with a src it hosts) and purges nodes that fall silent. The body frame is never decoded: it
+is forwarded as the zmq.Frame it arrived in (no copy). See PROTOCOL.md for the rules.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import random
+import time
+from collections import deque
+from typing import Iterable
+
+import zmq
+
+from . import wire
+from .log import get_logger
+from .wire import BROADCAST, BROKER, DEFAULT_MAX_FRAME, SERVER, WireError
+
+__all__ = ["Broker", "Node"]
+
+# kinds a node may send to the broker itself (dst "broker")
+_CONTROL_KINDS = frozenset({"register", "heartbeat", "leave", "shutdown"})
+# kinds a node never sends to another node: only the broker sends ready/join/leave notices,
+# and register/heartbeat/leave requests go to "broker"
+_NOT_FORWARDED = frozenset({"ready", "join", "leave", "register", "heartbeat"})
+_NB = zmq.NOBLOCK
+_MORE_NB = zmq.SNDMORE | zmq.NOBLOCK
+
+
+class Node:
+    """A registered node (one DEALER socket): its routing id, role and hosted addresses."""
+
+    __slots__ = ("name", "rid", "role", "clients", "sources", "run", "last_seen", "since",
+                 "pending", "pending_bytes", "is_server", "blocked_at", "rcache")
+
+    def __init__(self, name: str, rid: bytes, role: str, clients: tuple[str, ...], run: str,
+                 now: float):
+        self.name = name
+        self.rid = rid
+        self.role = role
+        self.is_server = role == "server"
+        self.clients = clients
+        # the src values this node may use
+        self.sources = frozenset(clients) | {name} | ({SERVER} if self.is_server else set())
+        self.run = run
+        self.last_seen = now
+        self.since = now
+        self.pending: deque = deque()  # (sender rid, hdr, body, kind, src, dst, seq, nbytes)
+        self.pending_bytes = 0
+        self.blocked_at: float | None = None  # its pipe was full (HWM) since then
+        # header prefix (kind, src, dst, run) -> the node it routes to; only for messages this
+        # node may send, cleared whenever the routing table changes
+        self.rcache: dict[bytes, Node] = {}
+
+    def __repr__(self) -> str:
+        return f"Node({self.name!r}, {self.role}, {len(self.clients)} clients)"
+
+
+class _RateLimit:
+    """At most `per_s` events per second pass; the rest are counted for a summary."""
+
+    def __init__(self, per_s: int):
+        self.per_s = per_s
+        self.window = 0.0
+        self.n = 0
+        self.suppressed = 0
+
+    def allow(self, now: float) -> bool:
+        if now - self.window >= 1.0:
+            self.window = now
+            self.n = 0
+        self.n += 1
+        if self.n <= self.per_s:
+            return True
+        self.suppressed += 1
+        return False
+
+
+class Broker:
+    """The message broker. ``Broker(bind).run()`` blocks until ``stop()`` / stop_event.
+
+    bind: one endpoint or a list ("tcp://0.0.0.0:5555", "ipc:///tmp/fedbus.sock", ...).
+    heartbeat_s, liveness: a node silent for heartbeat_s * liveness is purged.
+    max_frame: the largest frame accepted (bytes); larger ones are dropped and logged.
+    grace_s: after the broker starts, messages to addresses not registered yet are held this
+        long (nodes re-register after a broker restart) before they are refused as
+        unroutable. Default max(10 s, 4 * heartbeat_s * liveness).
+    """
+
+    def __init__(
+        self,
+        bind: str | Iterable[str],
+        *,
+        heartbeat_s: float = 1.0,
+        liveness: int = 3,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        curve=None,
+        grace_s: float | None = None,
+        max_pending: int = 10_000,
+        max_pending_bytes: int = 256 * 1024 * 1024,
+    ):
+        if curve is not None:
+            raise NotImplementedError("CURVE encryption is not implemented yet")
+        if heartbeat_s <= 0 or liveness < 1:
+            raise ValueError("heartbeat_s must be > 0 and liveness >= 1")
+        self.heartbeat_s = float(heartbeat_s)
+        self.liveness = int(liveness)
+        self.max_frame = int(max_frame)
+        self.grace_s = (
+            float(grace_s) if grace_s is not None else max(10.0, 4 * heartbeat_s * liveness)
+        )
+        self.max_pending = max_pending
+        self.max_pending_bytes = max_pending_bytes
+        self.inc = random.getrandbits(63)
+        self.log = get_logger("broker")
+        self.debug = self.log.isEnabledFor(logging.DEBUG)
+
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        # frames up to 2 x max_frame reach the codec (and are logged as oversized);
+        # anything larger makes libzmq drop the connection before allocating it
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_frame + 4096)
+        self._send = _raw_send(self.sock)
+        self.endpoints: list[str] = []
+        binds = [bind] if isinstance(bind, str) else list(bind)
+        if not binds:
+            raise ValueError("Broker needs at least one endpoint to bind")
+        try:
+            for ep in binds:
+                self.sock.bind(ep)
+                self.endpoints.append(self.sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        except zmq.ZMQError:
+            self.sock.close(0)
+            self.ctx.term()
+            raise
+
+        self.nodes: dict[bytes, Node] = {}  # routing id -> node
+        self.routes: dict[str, Node] = {}  # address (client id, node name, "server") -> node
+        self.client_nodes: dict[bytes, Node] = {}
+        self.server: Node | None = None
+        self.parked: dict[str, deque] = {}  # unknown address -> messages held during grace
+        self.parked_count = 0
+        # addresses registered at some point in this broker's life: a message for one that is
+        # gone now is refused at once, even during the start-up grace
+        self.seen_addresses: set[str] = set()
+        self.backlogged: set[Node] = set()  # nodes with held messages
+        self.blocked: set[Node] = set()  # nodes whose pipe was full at the last try
+        self.stall_limit_s = self.heartbeat_s
+        self._stalled_since = 0.0
+        self.no_purge_until = 0.0
+        self.started = time.monotonic()
+        self.now = self.started
+        self._stop = False
+        self._closed = False
+        self._last_not_reg: dict[bytes, float] = {}
+        # counters (totals) and the per-second snapshot
+        self.n_routed = 0
+        self.n_bytes = 0
+        self.n_refused = 0
+        self.n_bad = 0
+        self.n_unroutable = 0
+        self.bad_reasons: dict[str, int] = {}
+        self._snap = (0, 0, 0, 0)
+        self._rl_bad = _RateLimit(5)
+        self._rl_refuse = _RateLimit(20)
+        self.log.info(
+            "broker listening", endpoints=self.endpoints, heartbeat_s=self.heartbeat_s,
+            liveness=self.liveness, max_frame=self.max_frame, grace_s=self.grace_s,
+        )
+
+    # ------------------------------------------------------------------ main loop
+    def run(self, stop_event=None) -> None:
+        """Serve until stop() is called or stop_event (anything with is_set()) is set."""
+        sock = self.sock
+        hb = self.heartbeat_s
+        now = time.monotonic()
+        next_hb = now + hb
+        next_stats = now + 1.0
+        busy = False
+        while not self._stop and not (stop_event is not None and stop_event.is_set()):
+            if self.backlogged:
+                self.flush_pending()
+            if self.blocked and self.stalled():
+                # back-pressure: a node's pipe is full, so stop reading until it drains
+                # (the senders' own pipes fill up and block them), as zmq.proxy does
+                time.sleep(0.0002)
+            else:
+                if not busy:
+                    now = time.monotonic()
+                    wait = min(next_hb, next_stats) - now
+                    if self.backlogged:
+                        wait = min(wait, 0.002)
+                    wait = min(max(wait, 0.0), 0.1)
+                    busy = sock.poll(int(wait * 1000) + (1 if wait > 0 else 0), zmq.POLLIN) != 0
+                if busy:
+                    busy = self.process_batch()
+            now = self.now = time.monotonic()
+            if now >= next_hb:
+                self.send_heartbeats()
+                if now >= self.no_purge_until:
+                    self.purge_dead()
+                self.expire_parked()
+                next_hb = now + hb
+            if now >= next_stats:
+                self.log_stats()
+                next_stats = now + 1.0
+
+    def stalled(self) -> bool:
+        """True while some node's pipe is full and it has been so for less than the stall
+        limit (a node that takes nothing for that long no longer holds everyone up: further
+        messages for it are queued, up to max_pending, then refused)."""
+        now = time.monotonic()
+        limit = self.stall_limit_s
+        stalled = False
+        for node in self.blocked:
+            if now - node.blocked_at < limit:
+                stalled = True
+        if stalled:
+            self._stalled_since = self._stalled_since or now
+        elif self._stalled_since:
+            # we read nothing while stalled: give every node a heartbeat interval of credit
+            self.no_purge_until = now + self.heartbeat_s
+            self._stalled_since = 0.0
+        return stalled
+
+    def serve_forever(self) -> None:
+        """run() until stop() is called (e.g. from a signal handler)."""
+        self.run()
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop = True
+        self.log_stats(force=True)
+        self.sock.close(0)
+        self.ctx.term()
+        self.log.info("broker closed")
+
+    # ------------------------------------------------------------------ receive
+    def process_batch(self, max_msgs: int = 2048) -> bool:
+        """Drain up to max_msgs messages without blocking; True if more may be waiting.
+
+        The fast path handles the common case inline: a registered node sends a canonical
+        header whose (kind, src, dst, run) prefix was validated and routed before (the route
+        cache) to a node that is taking messages. Everything else goes through dispatch().
+        """
+        recv = self.sock.recv
+        send = self._send
+        dispatch = self.dispatch
+        nodes = self.nodes
+        unpack_tail = wire._TAIL_KEYS_ONLY.unpack_from
+        TAIL = wire._TAIL_LEN
+        HMAX = wire.MAX_HEADER_BYTES
+        K1, K2, K3, K4 = wire._TAIL_KEYS
+        max_frame = self.max_frame
+        fast = not self.debug
+        now = self.now = time.monotonic()
+        routed = nbytes = 0
+        try:
+            for _ in range(max_msgs):
+                try:
+                    rid = recv(_NB)
+                except zmq.Again:
+                    return False
+                hf = recv(_NB, copy=False)  # a ROUTER message always has a part after the id
+                if not hf.more:
+                    self.bad_frame(rid, "message has 1 frame, expected 2 (header, body)")
+                    continue
+                body = recv(_NB, copy=False)
+                if body.more:
+                    extra = self._discard_rest()
+                    self.bad_frame(rid, f"message has {3 + extra} frames, expected 2")
+                    continue
+                hdr = hf.bytes
+                if fast:
+                    n = len(hdr)
+                    node = nodes.get(rid)
+                    if node is not None and TAIL < n <= HMAX:
+                        prefix = hdr[:-TAIL]
+                        # route cache: canonical prefixes this node sent and we routed before
+                        target = node.rcache.get(prefix)
+                        if target is not None and not target.pending:
+                            k1, rnd, k2, k3, k4 = unpack_tail(hdr, n - TAIL)
+                            blen = len(body)
+                            if (k1 == K1 and k2 == K2 and k3 == K3 and k4 == K4 and rnd >= -1
+                                    and blen <= max_frame):
+                                try:
+                                    send(target.rid, _MORE_NB)
+                                    send(hdr, _MORE_NB)
+                                    send(body, _NB, copy=False)
+                                except zmq.ZMQError:
+                                    pass  # full or gone: dispatch() holds it and says why
+                                else:
+                                    node.last_seen = now
+                                    if node.pending:
+                                        self.backlogged.add(node)
+                                    routed += 1
+                                    nbytes += n + blen
+                                    continue
+                dispatch(rid, hdr, body)
+                if self.blocked:
+                    return True
+            return True
+        finally:
+            self.n_routed += routed
+            self.n_bytes += nbytes
+
+    def _discard_rest(self) -> int:
+        n = 0
+        while self.sock.getsockopt(zmq.RCVMORE):
+            self.sock.recv(_NB, copy=False)
+            n += 1
+        return n
+
+    def dispatch(self, rid: bytes, hdr: bytes, body) -> None:
+        """Validate one message's header and route it, refuse it or handle it here."""
+        try:
+            kind, src, dst, run, rnd, seq, inc, ts = wire.header_fields(hdr, max_frame=self.max_frame)
+        except WireError as e:
+            self.bad_frame(rid, str(e))
+            return
+        blen = len(body)
+        if blen > self.max_frame:
+            self.bad_frame(rid, f"body frame of {blen} bytes exceeds max_frame={self.max_frame}")
+            return
+        node = self.nodes.get(rid)
+        if node is None:
+            self.from_unregistered(rid, kind, src, dst, seq, body)
+            return
+        node.last_seen = self.now
+        if node.pending:
+            self.backlogged.add(node)  # it talks, so it is connected again: flush soon
+        if dst == BROKER:
+            self.process_node(node, kind, src, seq, body)
+            return
+        if kind in _NOT_FORWARDED:
+            self.refuse(node, kind, src, dst, seq, "forbidden",
+                        f"kind {kind!r} is not sent to {dst!r} (only the broker sends "
+                        f"ready/join/leave; register/heartbeat/leave go to 'broker')")
+            return
+        if src not in node.sources:
+            self.refuse(node, kind, src, dst, seq, "forbidden",
+                        f"node {node.name!r} does not host src {src!r}")
+            return
+        if node.is_server:
+            if dst == BROADCAST:
+                self.broadcast(node, hdr, body, kind, src, seq)
+                return
+            target = self.routes.get(dst)
+        elif dst == SERVER:
+            target = self.server
+        else:
+            self.refuse(node, kind, src, dst, seq, "forbidden",
+                        f"a client node may address only 'server', not {dst!r}")
+            return
+        if target is None:
+            self.unknown_destination(node, hdr, body, kind, src, dst, seq)
+            return
+        if self.route(node.rid, target, hdr, body, kind, src, dst, seq, blen):
+            # same (kind, src, dst, run) from this node: same decision while routes are stable.
+            # Only canonical headers (their prefix is in the codec's validated-prefix cache):
+            # then "cached prefix + a tail with the canonical layout" is exactly a valid header.
+            prefix = hdr[:-wire._TAIL_LEN]
+            if len(node.rcache) < 4096 and prefix in wire._PREFIX_CACHE:
+                node.rcache[prefix] = target
+
+    # ------------------------------------------------------------------ send
+    def route(self, sender: bytes, target: Node, hdr: bytes, body, kind: str, src: str, dst: str,
+              seq: int, blen: int) -> bool:
+        """Forward [target id, header, body] to a node; hold it if the node cannot take it.
+        True if it was sent now."""
+        if target.pending:
+            self._hold(target, (sender, hdr, body, kind, src, dst, seq, blen))
+            return False
+        try:
+            send = self._send
+            send(target.rid, _MORE_NB)
+            send(hdr, _MORE_NB)
+            send(body, _NB, copy=False)
+        except zmq.Again:
+            # its pipe is full (HWM): hold it and stop reading until the node catches up
+            if target.blocked_at is None:
+                target.blocked_at = time.monotonic()
+            self.blocked.add(target)
+            self._hold(target, (sender, hdr, body, kind, src, dst, seq, blen))
+            return False
+        except zmq.ZMQError as e:
+            if e.errno != errno.EHOSTUNREACH:
+                raise
+            # not connected right now (reconnecting?): hold until it is back or purged
+            self._hold(target, (sender, hdr, body, kind, src, dst, seq, blen))
+            return False
+        self.n_routed += 1
+        self.n_bytes += len(hdr) + blen
+        if self.debug:
+            self.log.debug(
+                "routed", src=src, dst=dst, node=target.name, kind=kind, seq=seq,
+                bytes=len(hdr) + blen, sha256=hashlib.sha256(_buf(body)).hexdigest(),
+            )
+        return True
+
+    def broadcast(self, node: Node, hdr: bytes, body, kind: str, src: str, seq: int) -> None:
+        """Server -> "*": one copy to every client node."""
+        if not self.client_nodes:
+            self.refuse(node, kind, src, BROADCAST, seq, "unroutable",
+                        "broadcast with no client node registered")
+            return
+        blen = len(body)
+        for target in list(self.client_nodes.values()):
+            self.route(node.rid, target, hdr, body, kind, src, BROADCAST, seq, blen)
+
+    def _hold(self, target: Node, item: tuple) -> None:
+        if len(target.pending) >= self.max_pending or (
+            target.pending_bytes + item[7] > self.max_pending_bytes
+        ):
+            if not item[0]:  # the broker's own notice
+                self.log.warning("broker message not delivered", kind=item[3], dst=item[5],
+                                 node=target.name, reason="queue full")
+                return
+            sender, _h, _b, kind, src, dst, seq, _n = item
+            self._refuse_rid(sender, kind, src, dst, seq, "unroutable",
+                             f"node {target.name!r} is not taking messages and its queue is "
+                             f"full ({len(target.pending)} messages)", node=target.name)
+            return
+        target.pending.append(item)
+        target.pending_bytes += item[7]
+        self.backlogged.add(target)
+
+    def flush_pending(self) -> None:
+        """Retry held messages, oldest first, for every backlogged node."""
+        send = self._send
+        for target in list(self.backlogged):
+            q = target.pending
+            while q:
+                sender, hdr, body, kind, src, dst, seq, blen = q[0]
+                try:
+                    send(target.rid, _MORE_NB)
+                    send(hdr, _MORE_NB)
+                    send(body, _NB, copy=False)
+                except zmq.Again:
+                    if target.blocked_at is None:
+                        target.blocked_at = time.monotonic()
+                    self.blocked.add(target)
+                    break
+                except zmq.ZMQError as e:
+                    if e.errno != errno.EHOSTUNREACH:
+                        raise
+                    target.blocked_at = None
+                    self.blocked.discard(target)
+                    break
+                q.popleft()
+                target.pending_bytes -= blen
+                self.n_routed += 1
+                self.n_bytes += len(hdr) + blen
+                if self.debug:
+                    self.log.debug(
+                        "routed", src=src, dst=dst, node=target.name, kind=kind, seq=seq,
+                        bytes=len(hdr) + blen, sha256=hashlib.sha256(_buf(body)).hexdigest(),
+                        held=True,
+                    )
+            if not q:
+                self.backlogged.discard(target)
+                target.blocked_at = None
+                self.blocked.discard(target)
+
+    def send_to(self, rid: bytes, msg: wire.Message) -> bool:
+        """Send a broker-originated message. If the node cannot take it now, hold it like a
+        routed message (heartbeats excepted: they are simply skipped); never raise."""
+        frames = wire.encode(msg)
+        node = self.nodes.get(rid)
+        if node is not None and node.pending and msg.kind != "heartbeat":
+            self._hold(node, (b"", frames[0], frames[1], msg.kind, BROKER, msg.dst, 0,
+                              len(frames[1])))
+            return False
+        try:
+            self._send(rid, _MORE_NB)
+            self._send(frames[0], _MORE_NB)
+            self._send(frames[1], _NB)
+        except zmq.ZMQError as e:
+            if msg.kind == "heartbeat":  # a node with a full pipe has traffic anyway
+                if self.debug:
+                    self.log.debug("heartbeat skipped", node=rid.decode("utf-8", "replace"),
+                                   reason=e.strerror)
+                return False
+            if node is not None and e.errno in (zmq.EAGAIN, errno.EHOSTUNREACH):
+                if e.errno == zmq.EAGAIN:
+                    if node.blocked_at is None:
+                        node.blocked_at = time.monotonic()
+                    self.blocked.add(node)
+                self._hold(node, (b"", frames[0], frames[1], msg.kind, BROKER, msg.dst, 0,
+                                  len(frames[1])))
+                return False
+            self.log.warning("broker message not delivered", kind=msg.kind, dst=msg.dst,
+                             node=rid.decode("utf-8", "replace"), reason=e.strerror)
+            return False
+        return True
+
+    def _msg(self, kind: str, dst: str, body, *, run: str = "", round: int = -1) -> wire.Message:
+        return wire.Message(kind, BROKER, dst or "?", body, run=run, round=round, seq=0,
+                            inc=self.inc, ts=time.time())
+
+    # ------------------------------------------------------------------ control
+    def process_node(self, node: Node, kind: str, src: str, seq: int, body) -> None:
+        """A message from a registered node to the broker itself."""
+        if kind == "heartbeat":
+            return
+        if kind == "register":
+            self.register(node.rid, src, body)
+            return
+        if kind == "leave":
+            self.unregister(node, "unregistered")
+            return
+        if kind == "shutdown" and node.is_server:
+            self.log.info("shutdown requested by the server", node=node.name)
+            self._stop = True
+            return
+        self.refuse(node, kind, src, BROKER, seq, "forbidden",
+                    f"the broker does not accept {kind!r} from a {node.role} node")
+
+    def from_unregistered(self, rid: bytes, kind: str, src: str, dst: str, seq: int, body) -> None:
+        if kind == "register" and dst == BROKER:
+            self.register(rid, src, body)
+            return
+        if kind == "leave" and dst == BROKER:
+            return
+        # tell it once in a while (not once per message) so that it re-registers
+        last = self._last_not_reg.get(rid, -1e9)
+        if self.now - last < 0.1:
+            return
+        if len(self._last_not_reg) > 100_000:
+            self._last_not_reg.clear()
+        self._last_not_reg[rid] = self.now
+        self.log.info("message from an unregistered node", node=rid.decode("utf-8", "replace"),
+                      kind=kind, src=src, dst=dst, seq=seq)
+        self._refuse_rid(rid, kind, src, dst, seq, "not_registered",
+                         "this node is not registered (broker restarted?): register again",
+                         log=False)
+
+    def register(self, rid: bytes, src: str, body_frame) -> None:
+        """Register (or re-register) a node; reply "ready" or "error"."""
+        name = rid.decode("utf-8", "replace")
+        try:
+            body = wire.decode_body(body_frame, max_frame=self.max_frame)
+        except WireError as e:
+            self._register_error(rid, name, "bad_register", f"register body: {e}")
+            return
+        problem = _check_register(body, name, src)
+        if problem:
+            self._register_error(rid, name, "bad_register", problem)
+            return
+        role = body["role"]
+        clients = tuple(body.get("clients") or ())
+        if role == "server":
+            clients = tuple(c for c in clients if c != SERVER)
+        run = body.get("run") or ""
+        old = self.nodes.get(rid)
+        # conflicts with other live nodes
+        if role == "server" and self.server is not None and self.server.rid != rid:
+            self._register_error(rid, name, "conflict",
+                                 f"a server is already registered (node {self.server.name!r})")
+            return
+        taken = []
+        for a in (name, *clients):
+            owner = self.routes.get(a)
+            if owner is not None and owner.rid != rid and not (a == SERVER and role == "server"):
+                taken.append(a)
+        if taken:
+            self._register_error(
+                rid, name, "conflict",
+                f"addresses already hosted by other live nodes: {taken[:10]}"
+                + (f" (+{len(taken) - 10} more)" if len(taken) > 10 else ""),
+            )
+            return
+        if old is not None:
+            self._drop_routes(old)
+        node = Node(name, rid, role, clients, run, self.now)
+        if old is not None:
+            node.pending, node.pending_bytes = old.pending, old.pending_bytes
+            self.backlogged.discard(old)
+            self.blocked.discard(old)
+            if node.pending:
+                self.backlogged.add(node)
+        self.nodes[rid] = node
+        self._routes_changed()
+        self.routes[name] = node
+        for c in clients:
+            self.routes[c] = node
+        if len(self.seen_addresses) < 1_000_000:
+            self.seen_addresses.add(name)
+            self.seen_addresses.update(clients)
+        if role == "server":
+            self.server = node
+            self.routes[SERVER] = node
+            self.seen_addresses.add(SERVER)
+        else:
+            self.client_nodes[rid] = node
+        self._last_not_reg.pop(rid, None)
+        self.log.info("node registered", node=name, role=role, clients=len(clients), run=run,
+                      again=old is not None)
+        self.send_to(rid, self._msg("ready", name, {
+            "heartbeat_s": self.heartbeat_s, "liveness": self.liveness, "node": name,
+            "clients": list(clients), "max_frame": self.max_frame,
+        }, run=run))
+        if role == "server":
+            for cn in list(self.client_nodes.values()):
+                self.send_to(rid, self._msg("join", SERVER, {
+                    "node": cn.name, "clients": list(cn.clients), "reason": "registered"},
+                    run=cn.run))
+        else:
+            self.notify_server("join", node, "registered")
+        self.unpark(node)
+
+    def _register_error(self, rid: bytes, name: str, code: str, reason: str) -> None:
+        self.n_refused += 1
+        self.log.warning("registration refused", node=name, code=code, reason=reason)
+        self.send_to(rid, self._msg("error", name or "?", {
+            "code": code, "reason": reason, "kind": "register", "src": name, "dst": BROKER,
+            "seq": 0}))
+
+    def unregister(self, node: Node, reason: str) -> None:
+        """Remove a node (it left, or it was purged); tell the server; refuse what it held."""
+        if self.nodes.get(node.rid) is not node:
+            return
+        del self.nodes[node.rid]
+        self._drop_routes(node)
+        self.backlogged.discard(node)
+        self.blocked.discard(node)
+        level = self.log.warning if reason == "purged" else self.log.info
+        level("node " + reason, node=node.name, role=node.role, clients=len(node.clients),
+              silent_s=round(self.now - node.last_seen, 3))
+        if not node.is_server:
+            self.notify_server("leave", node, reason)
+        while node.pending:
+            sender, _h, _b, kind, src, dst, seq, _n = node.pending.popleft()
+            self._refuse_rid(sender, kind, src, dst, seq, "unroutable",
+                             f"node {node.name!r} {reason} before the message could be "
+                             "delivered", node=node.name)
+        node.pending_bytes = 0
+
+    def _routes_changed(self) -> None:
+        for n in self.nodes.values():
+            n.rcache.clear()
+
+    def _drop_routes(self, node: Node) -> None:
+        self._routes_changed()
+        for a in (node.name, *node.clients):
+            if self.routes.get(a) is node:
+                del self.routes[a]
+        if self.server is node:
+            self.server = None
+            if self.routes.get(SERVER) is node:
+                del self.routes[SERVER]
+        if self.client_nodes.get(node.rid) is node:
+            del self.client_nodes[node.rid]
+
+    def notify_server(self, kind: str, node: Node, reason: str) -> None:
+        """Tell the server a client node joined or left."""
+        if self.server is None:
+            return
+        self.send_to(self.server.rid, self._msg(kind, SERVER, {
+            "node": node.name, "clients": list(node.clients), "reason": reason}, run=node.run))
+
+    # ------------------------------------------------------------------ liveness
+    def send_heartbeats(self) -> None:
+        for node in list(self.nodes.values()):
+            self.send_to(node.rid, self._msg("heartbeat", node.name, None))
+
+    def purge_dead(self) -> None:
+        """Purge every node silent for heartbeat_s * liveness."""
+        limit = self.heartbeat_s * self.liveness
+        now = time.monotonic()
+        for node in list(self.nodes.values()):
+            if now - node.last_seen > limit:
+                self.now = now
+                self.unregister(node, "purged")
+
+    # ------------------------------------------------------------------ refusals
+    def unknown_destination(self, node: Node, hdr: bytes, body, kind: str, src: str, dst: str,
+                            seq: int) -> None:
+        """dst is not registered: hold it during the start-up grace, else refuse it."""
+        if (self.now - self.started < self.grace_s and dst not in self.seen_addresses
+                and self.parked_count < self.max_pending):
+            self.parked.setdefault(dst, deque()).append(
+                (node.rid, hdr, body, kind, src, dst, seq, len(body), self.now))
+            self.parked_count += 1
+            if self.debug:
+                self.log.debug("held for an unregistered address", src=src, dst=dst, kind=kind,
+                               seq=seq)
+            return
+        self.refuse(node, kind, src, dst, seq, "unroutable", f"no node hosts {dst!r}")
+
+    def unpark(self, node: Node) -> None:
+        """A node registered: route what was held for its addresses."""
+        if not self.parked:
+            return
+        addrs = [node.name, *node.clients] + ([SERVER] if node.is_server else [])
+        for a in addrs:
+            q = self.parked.pop(a, None)
+            if not q:
+                continue
+            for sender, hdr, body, kind, src, dst, seq, blen, _t in q:
+                self.parked_count -= 1
+                self.route(sender, node, hdr, body, kind, src, dst, seq, blen)
+
+    def expire_parked(self) -> None:
+        if not self.parked or self.now - self.started < self.grace_s:
+            return
+        for dst, q in list(self.parked.items()):
+            for sender, _h, _b, kind, src, _d, seq, _n, _t in q:
+                self._refuse_rid(sender, kind, src, dst, seq, "unroutable",
+                                 f"no node registered {dst!r} within the start-up grace")
+        self.parked.clear()
+        self.parked_count = 0
+
+    def refuse(self, node: Node, kind: str, src: str, dst: str, seq: int, code: str,
+               reason: str, **extra) -> None:
+        self._refuse_rid(node.rid, kind, src, dst, seq, code, reason, **extra)
+
+    def _refuse_rid(self, rid: bytes, kind: str, src: str, dst: str, seq: int, code: str,
+                    reason: str, *, log: bool = True, **extra) -> None:
+        """Log why a message is not delivered and send an "error" back to its sender."""
+        self.n_refused += 1
+        if code == "unroutable":
+            self.n_unroutable += 1
+        if log and (self.debug or self._rl_refuse.allow(self.now)):
+            self.log.warning("message refused", code=code, reason=reason, kind=kind, src=src,
+                             dst=dst, seq=seq, node=rid.decode("utf-8", "replace"))
+        if kind in ("error", "heartbeat", "leave") or not rid:
+            return  # never answer an error with an error; b"" is the broker itself
+        sender = self.nodes.get(rid)
+        self.send_to(rid, self._msg("error", src or "?", {
+            "code": code, "reason": reason, "kind": kind, "src": src, "dst": dst, "seq": seq,
+            **extra}, run=sender.run if sender else ""))
+
+    def bad_frame(self, rid: bytes, reason: str) -> None:
+        """Count, log (rate-limited; every one at debug level) and drop a malformed message."""
+        self.n_bad += 1
+        key = reason.split(":")[0][:60]
+        self.bad_reasons[key] = self.bad_reasons.get(key, 0) + 1
+        if self.debug:
+            self.log.debug("bad frame dropped", node=rid.decode("utf-8", "replace"),
+                           reason=reason)
+        elif self._rl_bad.allow(self.now):
+            self.log.warning("bad frame dropped", node=rid.decode("utf-8", "replace"),
+                             reason=reason)
+
+    # ------------------------------------------------------------------ stats
+    def log_stats(self, force: bool = False) -> None:
+        """One info line per second with counters, when something happened."""
+        self.debug = self.log.isEnabledFor(logging.DEBUG)
+        snap = (self.n_routed, self.n_bytes, self.n_refused, self.n_bad)
+        if snap == self._snap and not force and not self._rl_bad.suppressed:
+            return
+        d = [a - b for a, b in zip(snap, self._snap)]
+        self._snap = snap
+        extra = {}
+        for name, rl in (("bad_suppressed", self._rl_bad), ("refused_suppressed", self._rl_refuse)):
+            if rl.suppressed:
+                extra[name] = rl.suppressed
+                rl.suppressed = 0
+        if d[3] or extra.get("bad_suppressed"):
+            extra["bad_reasons"] = dict(self.bad_reasons)
+        self.log.info(
+            "counters", routed=d[0], bytes=d[1], refused=d[2], bad_frames=d[3],
+            nodes=len(self.nodes), clients=len(self.routes) - len(self.nodes),
+            held=sum(len(n.pending) for n in self.backlogged) + self.parked_count,
+            routed_total=snap[0], bytes_total=snap[1], refused_total=snap[2],
+            bad_frames_total=snap[3], unroutable_total=self.n_unroutable, **extra,
+        )
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _raw_send(sock):
+    """The socket's send without pyzmq's Python wrapper (routing_id/group handling we do not
+    use): the Cython base class method, bound. Falls back to sock.send."""
+    base = getattr(zmq.backend, "Socket", None)
+    fn = getattr(base, "send", None) if base is not None and isinstance(sock, base) else None
+    return fn.__get__(sock) if fn is not None else sock.send
+
+
+def _buf(frame):
+    b = getattr(frame, "buffer", None)
+    return b if b is not None else frame
+
+
+def _check_register(body, name: str, src: str) -> str | None:
+    """Why a register body is invalid, or None."""
+    if type(body) is not dict:
+        return "register body must be a map"
+    role = body.get("role")
+    if role not in ("server", "client"):
+        return f"role must be 'server' or 'client', got {role!r}"
+    if body.get("node") != name:
+        return f"body node {body.get('node')!r} differs from the routing id {name!r}"
+    if src != name:
+        return f"register src {src!r} differs from the routing id {name!r}"
+    if not name or len(name.encode()) > wire.MAX_STR_BYTES:
+        return "node name must be 1..255 bytes"
+    if role == "client" and name in wire.RESERVED_ADDRESSES:
+        return f"a client node cannot be named {name!r}"
+    clients = body.get("clients", [])
+    if clients is None:
+        clients = []
+    if type(clients) is not list or any(type(c) is not str for c in clients):
+        return "clients must be a list of str"
+    seen = set()
+    for c in clients:
+        if role == "server" and c == SERVER:
+            continue
+        if c in wire.RESERVED_ADDRESSES:
+            return f"client id {c!r} is reserved"
+        if len(c.encode()) > wire.MAX_STR_BYTES:
+            return "client ids must be at most 255 bytes"
+        if c == name:
+            return f"client id {c!r} equals the node name"
+        if c in seen:
+            return f"client id {c!r} listed twice"
+        seen.add(c)
+    run = body.get("run", "")
+    if run is not None and type(run) is not str:
+        return "run must be a str"
+    return None

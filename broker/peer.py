@@ -1,0 +1,766 @@
+"""The node runtime: one DEALER socket to the broker, owned by a background I/O thread.
+
+The application thread calls ``send`` (thread-safe, non-blocking: it assigns the sequence
+number and encodes in the calling thread) and ``recv`` (a queue). The I/O thread registers,
+heartbeats, acknowledges, drops duplicates, and -- when the broker goes silent for
+heartbeat_s x liveness -- closes the socket, reconnects with exponential backoff (1 s doubling
+to 32 s), re-registers and resends every message not acknowledged yet. See PROTOCOL.md §6.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import random
+import threading
+import time
+from collections import deque
+from typing import Any, Sequence
+
+import zmq
+
+from . import wire
+from .log import get_logger
+from .wire import BROADCAST, BROKER, DEFAULT_MAX_FRAME, SERVER, Message, WireError
+
+__all__ = ["Peer", "PeerError"]
+
+# kinds the runtime handles itself; the application never sends or receives them
+_INTERNAL_KINDS = frozenset({"register", "ready", "heartbeat", "ack"})
+# kinds only the broker sends (delivered to the application, never sent by it)
+_BROKER_KINDS = frozenset({"join", "leave"})
+_NB = zmq.NOBLOCK
+_MORE_NB = zmq.SNDMORE | zmq.NOBLOCK
+_CLOSED = object()
+
+# connection states
+_IDLE, _REGISTERING, _READY, _DISCONNECTED, _CLOSED_STATE = (
+    "idle", "registering", "ready", "disconnected", "closed")
+
+
+class PeerError(RuntimeError):
+    """The broker refused this node, or did not answer in time."""
+
+
+class _Out:
+    """A sent message awaiting its acknowledgement."""
+
+    __slots__ = ("msg", "frames", "nbytes", "sent_at", "waiting")
+
+    def __init__(self, msg: Message, waiting: set | None):
+        self.msg = msg
+        self.frames = msg.frames
+        self.nbytes = msg.nbytes
+        self.sent_at = 0.0  # 0: not transmitted on the current connection yet
+        self.waiting = waiting  # broadcast: node names still to acknowledge; else None
+
+
+class _In:
+    """A received application message whose body is decoded lazily, in recv()."""
+
+    __slots__ = ("kind", "src", "dst", "run", "round", "seq", "inc", "ts", "hdr", "body")
+
+    def __init__(self, kind, src, dst, run, rnd, seq, inc, ts, hdr, body):
+        self.kind, self.src, self.dst, self.run = kind, src, dst, run
+        self.round, self.seq, self.inc, self.ts = rnd, seq, inc, ts
+        self.hdr, self.body = hdr, body
+
+
+class Peer:
+    """A node's connection to the broker (see the module docstring).
+
+    endpoint: the broker ("tcp://host:5555", "ipc:///path").
+    name: this node's name, also its zmq routing id (unique among live nodes).
+    role: "server" or "client".
+    addresses: the client ids this node hosts (role "client"); the server's address is
+        always "server". The node name is an address too.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        name: str,
+        *,
+        role: str,
+        addresses: Sequence[str] = (),
+        run: str = "",
+        heartbeat_s: float = 1.0,
+        liveness: int = 3,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        backoff_initial_s: float = 1.0,
+        backoff_max_s: float = 32.0,
+        curve=None,
+        ack_interval_s: float = 0.2,
+        resend_s: float = 10.0,
+        max_unacked: int = 100_000,
+        max_unacked_bytes: int = 1 << 30,
+    ):
+        if curve is not None:
+            raise NotImplementedError("CURVE encryption is not implemented yet")
+        if role not in ("server", "client"):
+            raise ValueError(f"role must be 'server' or 'client', got {role!r}")
+        if not isinstance(name, str) or not name or len(name.encode()) > wire.MAX_STR_BYTES:
+            raise ValueError("name must be a non-empty str of at most 255 bytes")
+        if role == "client" and name in wire.RESERVED_ADDRESSES:
+            raise ValueError(f"a client node cannot be named {name!r}")
+        addrs = tuple(addresses)
+        if role == "server":
+            addrs = (SERVER,) + tuple(a for a in addrs if a != SERVER)
+        self.endpoint = endpoint
+        self.name = name
+        self.role = role
+        self.addresses: tuple[str, ...] = addrs
+        self.run = run
+        self.heartbeat_s = float(heartbeat_s)
+        self.liveness = int(liveness)
+        self.max_frame = int(max_frame)
+        self.backoff_initial_s = float(backoff_initial_s)
+        self.backoff_max_s = float(backoff_max_s)
+        self.ack_interval_s = float(ack_interval_s)
+        self.resend_s = float(resend_s)
+        self.max_unacked = int(max_unacked)
+        self.max_unacked_bytes = int(max_unacked_bytes)
+        self.inc = random.getrandbits(63) or 1
+        self.log = get_logger("peer").bind(node=name)
+        self._sources = frozenset(addrs) | {name}
+        self._default_src = SERVER if role == "server" else (addrs[0] if len(addrs) == 1 else name)
+        self._ack_src = SERVER if role == "server" else name
+
+        # application side
+        self._lock = threading.Lock()
+        self._seqs: dict[str, itertools.count] = {}
+        self._outq: deque = deque()
+        self._inq: queue.Queue = queue.Queue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._wake_pending = False
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+        self._start_error: str | None = None
+        self._closing = False
+        self._closed = False
+
+        # I/O thread state (touched only by the I/O thread after start)
+        self._state = _IDLE
+        self._ctx: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+        self._unacked: dict[tuple[str, int], _Out] = {}
+        self._unacked_bytes = 0
+        self._backlog: deque = deque()  # frame pairs waiting for the socket (HWM)
+        self._seen: dict[tuple[str, int], list] = {}  # (src, inc) -> [watermark, set above]
+        self._acks: dict[str, list[tuple[int, int]]] = {}  # src address -> [(inc, seq)]
+        self._client_nodes: set[str] = set()  # server: live client nodes (join/leave)
+        self._last_rx = 0.0
+        self._last_tx = 0.0
+        self._register_sent = 0.0
+        self._reconnect_at = 0.0
+        self._backoff = self.backoff_initial_s
+        self._broker_hb = self.heartbeat_s
+        self._next_ack = 0.0
+        self._next_resend = 0.0
+        self._bad_logged = 0.0
+        self._poller: zmq.Poller | None = None
+        self._poll_key: tuple = ()
+        # counters
+        self.n_sent = 0
+        self.n_received = 0
+        self.n_duplicates = 0
+        self.n_resent = 0
+        self.n_bad = 0
+        self.n_reconnects = 0
+
+    # ------------------------------------------------------------------ public API
+    def start(self, timeout: float = 30.0) -> None:
+        """Connect and register; block until the broker says "ready".
+
+        Raises PeerError if the broker refuses the registration or does not answer within
+        timeout seconds (the peer is closed then).
+        """
+        if self._thread is not None:
+            raise PeerError("Peer.start() called twice")
+        self._thread = threading.Thread(target=self._io_main, name=f"fedbus-peer-{self.name}",
+                                        daemon=True)
+        self._thread.start()
+        if not self._started.wait(timeout):
+            self.close(0)
+            raise PeerError(f"no answer from the broker at {self.endpoint} within {timeout} s")
+        if self._start_error is not None:
+            self.close(0)
+            raise PeerError(self._start_error)
+
+    def send(self, kind: str, dst: str, body: Any, *, src: str | None = None,
+             round: int = -1) -> Message:
+        """Queue a message for dst; returns it with seq/inc/ts/run and .frames set.
+
+        Thread-safe and non-blocking: the body is encoded here, in the calling thread; the I/O
+        thread transmits it, and keeps it until dst acknowledges it (resending it after a
+        reconnection). Raises ValueError for a kind/src/dst this node may not use and
+        WireError for a body that cannot be encoded.
+        """
+        if self._closing:
+            raise PeerError("the peer is closed")
+        if kind not in wire.KINDS or kind in _INTERNAL_KINDS or kind in _BROKER_KINDS:
+            raise ValueError(f"cannot send kind {kind!r}")
+        if src is None:
+            src = self._default_src
+        elif src not in self._sources:
+            raise ValueError(f"node {self.name!r} does not host src {src!r}")
+        if not isinstance(dst, str) or not dst or dst == BROKER:
+            raise ValueError(f"bad dst {dst!r}")
+        if self.role == "client" and dst != SERVER:
+            raise ValueError(f"a client node may address only 'server', not {dst!r}")
+        msg = Message(kind, src, dst, body, run=self.run, round=round, inc=self.inc)
+        body_bytes = wire.encode_body(body)  # the expensive part, outside the lock
+        with self._lock:
+            counter = self._seqs.get(src)
+            if counter is None:
+                counter = self._seqs[src] = itertools.count(1)
+            msg.seq = next(counter)
+            msg.ts = time.time()
+            hdr = wire.encode_header(kind, src, dst, run=self.run, round=round, seq=msg.seq,
+                                     inc=self.inc, ts=msg.ts)
+            msg.frames = [hdr, body_bytes]
+            self._outq.append(msg)
+        self._wake()
+        return msg
+
+    def recv(self, timeout: float | None = None) -> Message | None:
+        """The next application message (task, update, eval, eval_result, error, shutdown,
+        join, leave), duplicates already dropped; None on timeout or once closed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                if deadline is None:
+                    item = self._inq.get()
+                else:
+                    remaining = deadline - time.monotonic()
+                    item = self._inq.get(timeout=remaining) if remaining > 0 else \
+                        self._inq.get_nowait()
+            except queue.Empty:
+                return None
+            if item is _CLOSED:
+                self._inq.put(_CLOSED)  # keep answering None
+                return None
+            if isinstance(item, Message):
+                return item
+            try:
+                body = wire.decode_body(item.body, max_frame=self.max_frame)
+            except WireError as e:
+                self.n_bad += 1
+                self.log.warning("bad body dropped", kind=item.kind, src=item.src,
+                                 seq=item.seq, reason=str(e))
+                continue
+            return Message(item.kind, item.src, item.dst, body, item.run, item.round, item.seq,
+                           item.inc, item.ts, [item.hdr, item.body])
+
+    def close(self, linger_s: float = 1.0) -> None:
+        """Stop: wait up to linger_s for unacknowledged messages, tell the broker we leave,
+        close the socket. Idempotent."""
+        if self._closed:
+            return
+        t = self._thread
+        if t is not None and t.is_alive() and linger_s > 0:
+            deadline = time.monotonic() + linger_s
+            while time.monotonic() < deadline and (self._outq or self._unacked) \
+                    and self._state == _READY:
+                time.sleep(0.01)
+        self._closing = True
+        self._wake()
+        if t is not None:
+            t.join(max(linger_s, 0) + 5.0)
+        self._closed = True
+        self._inq.put(_CLOSED)
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    @property
+    def connected(self) -> bool:
+        """Registered with the broker right now."""
+        return self._state == _READY
+
+    @property
+    def unacked_count(self) -> int:
+        """Messages sent (or queued) and not acknowledged yet."""
+        return len(self._unacked) + len(self._outq)
+
+    def __enter__(self):
+        if self._thread is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------ I/O thread
+    def _wake(self) -> None:
+        if not self._wake_pending:
+            self._wake_pending = True
+            try:
+                os.write(self._wake_w, b"x")
+            except (BlockingIOError, OSError):
+                pass
+
+    def _io_main(self) -> None:
+        self._ctx = zmq.Context()
+        try:
+            self._connect()
+            while not self._closing:
+                try:
+                    self._io_step()
+                except Exception:  # the I/O thread must survive anything
+                    self.log.exception("peer I/O error")
+                    time.sleep(0.05)
+            self._goodbye()
+        finally:
+            if self._sock is not None:
+                self._sock.close()  # LINGER: 0, or 500 ms after _goodbye()
+                self._sock = None
+            self._ctx.term()
+            self._state = _CLOSED_STATE
+            self._started.set()
+
+    def _io_step(self) -> None:
+        now = time.monotonic()
+        timeout = self._next_deadline(now) - now
+        want = (self._sock, bool(self._backlog))
+        if want != self._poll_key:
+            self._poller = zmq.Poller()
+            self._poller.register(self._wake_r, zmq.POLLIN)
+            if self._sock is not None:
+                self._poller.register(self._sock, zmq.POLLIN | (zmq.POLLOUT if want[1] else 0))
+            self._poll_key = want
+        events = dict(self._poller.poll(max(0, int(timeout * 1000) + 1)))
+        if self._wake_r in events:
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except (BlockingIOError, OSError):
+                pass
+        self._wake_pending = False
+        self._take_outgoing()
+        sock = self._sock
+        if sock is not None and sock in events:
+            ev = events[sock]
+            if ev & zmq.POLLOUT and self._backlog:
+                self._flush_backlog()
+            if ev & zmq.POLLIN:
+                self._drain_socket()
+        self._timers(time.monotonic())
+
+    def _next_deadline(self, now: float) -> float:
+        t = now + 0.1  # closing/wake-ups are also signalled, this is only a safety net
+        if self._state == _DISCONNECTED:
+            return min(t, self._reconnect_at)
+        hb = min(self.heartbeat_s, self._broker_hb)
+        t = min(t, self._last_tx + hb, self._last_rx + self._silence_limit())
+        if self._acks:
+            t = min(t, self._next_ack)
+        return max(t, now)
+
+    def _silence_limit(self) -> float:
+        return max(self.heartbeat_s, self._broker_hb) * self.liveness
+
+    # -- connection
+    def _connect(self) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self.name.encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_frame + 4096)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        sock.connect(self.endpoint)
+        self._sock = sock
+        self._backlog.clear()
+        now = time.monotonic()
+        self._last_rx = now
+        self._register()
+
+    def _register(self) -> None:
+        self._state = _REGISTERING
+        self._register_sent = time.monotonic()
+        self._send_control("register", BROKER, {
+            "role": self.role, "node": self.name,
+            "clients": list(self.addresses) if self.role == "client" else [],
+            "run": self.run,
+        }, src=self.name)
+
+    def _lost(self, why: str) -> None:
+        """The broker is gone: drop the socket, retry after the backoff."""
+        self.log.warning("broker lost", reason=why, endpoint=self.endpoint,
+                         retry_in_s=round(self._backoff, 3), unacked=len(self._unacked))
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+        self._backlog.clear()
+        self._state = _DISCONNECTED
+        self._reconnect_at = time.monotonic() + self._backoff
+        self._backoff = min(self._backoff * 2, self.backoff_max_s)
+
+    def _goodbye(self) -> None:
+        if self._state != _READY or self._sock is None:
+            return
+        self._take_outgoing()
+        self._flush_acks()
+        self._send_control("leave", BROKER, None, src=self.name)
+        deadline = time.monotonic() + 0.5
+        while self._backlog and time.monotonic() < deadline:
+            self._flush_backlog()
+            time.sleep(0.005)
+        self._sock.setsockopt(zmq.LINGER, 500)
+
+    # -- sending
+    def _transmit(self, frames) -> bool:
+        """Hand two frames to the socket (or to the backlog if it is full)."""
+        if self._sock is None:
+            return False
+        if self._backlog:
+            self._backlog.append(frames)
+            return True
+        try:
+            self._sock.send(frames[0], _MORE_NB)
+            self._sock.send(frames[1], _NB, copy=len(frames[1]) < 65536)
+        except zmq.Again:
+            self._backlog.append(frames)
+        self._last_tx = time.monotonic()
+        return True
+
+    def _flush_backlog(self) -> None:
+        sock = self._sock
+        while self._backlog and sock is not None:
+            frames = self._backlog[0]
+            try:
+                sock.send(frames[0], _MORE_NB)
+                sock.send(frames[1], _NB, copy=len(frames[1]) < 65536)
+            except zmq.Again:
+                return
+            self._backlog.popleft()
+            self._last_tx = time.monotonic()
+
+    def _send_control(self, kind: str, dst: str, body, *, src: str) -> None:
+        msg = Message(kind, src, dst, body, run=self.run, seq=0, inc=self.inc, ts=time.time())
+        self._transmit(wire.encode(msg))
+
+    def _take_outgoing(self) -> None:
+        """Move messages queued by send() into the resend buffer; transmit when ready."""
+        q = self._outq
+        ready = self._state == _READY and self._sock is not None
+        now = time.monotonic()
+        while q:
+            msg = q.popleft()
+            waiting = None
+            if msg.dst == BROADCAST and self._client_nodes:
+                waiting = set(self._client_nodes)
+            out = _Out(msg, waiting)
+            self._unacked[(msg.src, msg.seq)] = out
+            self._unacked_bytes += out.nbytes
+            self.n_sent += 1
+            if ready:
+                self._transmit(out.frames)
+                out.sent_at = now
+        if len(self._unacked) > self.max_unacked or self._unacked_bytes > self.max_unacked_bytes:
+            self._trim_unacked()
+
+    def _trim_unacked(self) -> None:
+        dropped = 0
+        while self._unacked and (len(self._unacked) > self.max_unacked
+                                 or self._unacked_bytes > self.max_unacked_bytes):
+            key = next(iter(self._unacked))
+            out = self._unacked.pop(key)
+            self._unacked_bytes -= out.nbytes
+            dropped += 1
+        self.log.warning("resend buffer full: oldest unacknowledged messages dropped",
+                         dropped=dropped, max_messages=self.max_unacked,
+                         max_bytes=self.max_unacked_bytes)
+
+    def _resend_all(self) -> None:
+        """After "ready": transmit every unacknowledged message again, in order."""
+        now = time.monotonic()
+        n = 0
+        for out in list(self._unacked.values()):
+            self._transmit(out.frames)
+            if out.sent_at:
+                n += 1
+            out.sent_at = now
+        if n:
+            self.n_resent += n
+            self.log.info("resent unacknowledged messages", count=n)
+
+    def _forget(self, key: tuple[str, int]) -> None:
+        out = self._unacked.pop(key, None)
+        if out is not None:
+            self._unacked_bytes -= out.nbytes
+
+    # -- receiving
+    def _drain_socket(self, max_msgs: int = 4096) -> None:
+        sock = self._sock
+        recv = sock.recv
+        for _ in range(max_msgs):
+            try:
+                hf = recv(_NB, copy=False)
+            except zmq.Again:
+                return
+            if not hf.more:
+                self._bad("message has 1 frame, expected 2")
+                continue
+            body = recv(_NB, copy=False)
+            if body.more:
+                while sock.getsockopt(zmq.RCVMORE):
+                    recv(_NB, copy=False)
+                self._bad("message has more than 2 frames")
+                continue
+            self._last_rx = time.monotonic()
+            hdr = hf.bytes
+            try:
+                kind, src, dst, run, rnd, seq, inc, ts = wire.header_fields(
+                    hdr, max_frame=self.max_frame)
+            except WireError as e:
+                self._bad(str(e))
+                continue
+            if len(body) > self.max_frame:
+                self._bad(f"body frame of {len(body)} bytes exceeds max_frame={self.max_frame}")
+                continue
+            if src == BROKER:
+                self._from_broker(kind, dst, run, rnd, inc, ts, hdr, body)
+            elif kind == "ack":
+                self._on_ack(src, body)
+            elif kind in _INTERNAL_KINDS or kind in _BROKER_KINDS:
+                self._bad(f"kind {kind!r} from {src!r} is not for the application")
+            else:
+                if seq > 0:
+                    acks = self._acks.get(src)
+                    if acks is None:
+                        acks = self._acks[src] = []
+                        if len(self._acks) == 1:
+                            self._next_ack = time.monotonic() + self.ack_interval_s
+                    acks.append((inc, seq))
+                    if self._is_duplicate(src, inc, seq):
+                        self.n_duplicates += 1
+                        continue
+                self.n_received += 1
+                self._inq.put(_In(kind, src, dst, run, rnd, seq, inc, ts, hdr, body))
+
+    def _bad(self, reason: str) -> None:
+        self.n_bad += 1
+        now = time.monotonic()
+        if now - self._bad_logged > 1.0:
+            self._bad_logged = now
+            self.log.warning("bad frame dropped", reason=reason, bad_total=self.n_bad)
+
+    def _is_duplicate(self, src: str, inc: int, seq: int) -> bool:
+        """Record (src, inc, seq); True if it was seen before."""
+        key = (src, inc)
+        st = self._seen.get(key)
+        if st is None:
+            st = self._seen[key] = [0, set()]
+        wm, above = st
+        if seq <= wm or seq in above:
+            return True
+        if seq == wm + 1:
+            wm += 1
+            while wm + 1 in above:
+                wm += 1
+                above.discard(wm)
+            st[0] = wm
+        else:
+            above.add(seq)
+            if len(above) > 65536:
+                # a sender's seqs are shared by all its destinations, so gaps can be
+                # permanent: forget the oldest half (duplicates only come from resends
+                # of recent, unacknowledged messages)
+                keep = sorted(above)
+                st[0] = keep[len(keep) // 2]
+                st[1] = set(keep[len(keep) // 2 + 1:])
+        return False
+
+    def _from_broker(self, kind, dst, run, rnd, inc, ts, hdr, body_frame) -> None:
+        if kind == "heartbeat":
+            return
+        try:
+            body = wire.decode_body(body_frame, max_frame=self.max_frame)
+        except WireError as e:
+            self._bad(f"broker {kind} body: {e}")
+            return
+        if kind == "ready":
+            self._on_ready(body)
+            return
+        msg = Message(kind, BROKER, dst, body, run, rnd, 0, inc, ts, [hdr, body_frame])
+        if kind == "error":
+            if not self._on_error(msg):
+                return
+        elif kind == "join" and isinstance(body, dict):
+            self._on_join(body)
+        elif kind == "leave" and isinstance(body, dict):
+            self._on_leave(body)
+        self._inq.put(msg)
+
+    def _on_ready(self, body) -> None:
+        if isinstance(body, dict):
+            hb = body.get("heartbeat_s")
+            if isinstance(hb, (int, float)) and hb > 0:
+                self._broker_hb = float(hb)
+        if self._state == _READY:
+            return  # a duplicate answer to a repeated register
+        first = not self._started.is_set()
+        self._state = _READY
+        self._backoff = self.backoff_initial_s
+        self.log.info("registered", endpoint=self.endpoint, role=self.role,
+                      addresses=len(self.addresses), again=not first)
+        self._backlog.clear()
+        self._resend_all()
+        self._take_outgoing()
+        self._started.set()
+
+    def _on_error(self, msg: Message) -> bool:
+        """Handle an error from the broker; True if the application should see it."""
+        body = msg.body if isinstance(msg.body, dict) else {}
+        code = body.get("code")
+        kind = body.get("kind")
+        if code == "not_registered":
+            if self._state == _READY or time.monotonic() - self._register_sent > \
+                    self._broker_hb:
+                self.log.info("broker does not know us (restarted?): registering again")
+                self._register()
+            return False
+        if kind == "register":
+            reason = f"registration refused ({code}): {body.get('reason')}"
+            if not self._started.is_set():
+                self._start_error = reason
+                self._closing = True
+                self._started.set()
+            else:
+                self.log.error("registration refused", code=code, reason=body.get("reason"))
+                self._lost(reason)
+            return False
+        src, seq = body.get("src"), body.get("seq")
+        if kind in _INTERNAL_KINDS or not isinstance(seq, int) or seq <= 0:
+            self.log.debug("broker refused a control message", code=code, kind=kind,
+                           reason=body.get("reason"))
+            return kind not in _INTERNAL_KINDS
+        key = (src, seq)
+        out = self._unacked.get(key)
+        if out is not None:
+            node = body.get("node")
+            if out.waiting is not None and node:
+                out.waiting.discard(node)
+                if not out.waiting:
+                    self._forget(key)
+            else:
+                self._forget(key)
+        self.log.warning("message refused by the broker", code=code, kind=kind, src=src,
+                         dst=body.get("dst"), seq=seq, reason=body.get("reason"))
+        return True
+
+    def _on_join(self, body: dict) -> None:
+        node = body.get("node")
+        if self.role != "server" or not isinstance(node, str):
+            return
+        self._client_nodes.add(node)
+        # broadcasts this node may have missed (e.g. it re-registered after a broker restart)
+        if self._state == _READY:
+            for out in self._unacked.values():
+                if out.waiting is not None and node in out.waiting:
+                    self._transmit(out.frames)
+                    out.sent_at = time.monotonic()
+
+    def _on_leave(self, body: dict) -> None:
+        node = body.get("node")
+        if self.role != "server" or not isinstance(node, str):
+            return
+        self._client_nodes.discard(node)
+        for key, out in list(self._unacked.items()):
+            if out.waiting is not None and node in out.waiting:
+                out.waiting.discard(node)
+                if not out.waiting:
+                    self._forget(key)
+
+    def _on_ack(self, acker: str, body_frame) -> None:
+        try:
+            body = wire.decode_body(body_frame, max_frame=self.max_frame)
+            entries = body["acks"]
+            if not isinstance(entries, list):
+                raise TypeError("acks must be a list")
+        except (WireError, KeyError, TypeError) as e:
+            self._bad(f"ack from {acker!r}: {e}")
+            return
+        unacked = self._unacked
+        for e in entries:
+            if not isinstance(e, list) or len(e) not in (3, 4) or e[1] != self.inc:
+                continue
+            src = e[0]
+            first = e[2]
+            last = e[3] if len(e) == 4 else first
+            if not isinstance(first, int) or not isinstance(last, int) or last < first:
+                continue
+            if last - first < 64:
+                keys = [(src, s) for s in range(first, last + 1)]
+            else:  # a wide range: look at what we hold instead of every number in it
+                keys = [k for k in list(unacked) if k[0] == src and first <= k[1] <= last]
+            for key in keys:
+                out = unacked.get(key)
+                if out is None:
+                    continue
+                if out.waiting is not None:
+                    out.waiting.discard(acker)
+                    if out.waiting:
+                        continue
+                self._forget(key)
+
+    def _flush_acks(self) -> None:
+        """Send one "ack" per source address with what arrived since the last one."""
+        pending, self._acks = self._acks, {}
+        for src, items in pending.items():
+            entries = []
+            by_inc: dict[int, list[int]] = {}
+            for inc, seq in items:
+                by_inc.setdefault(inc, []).append(seq)
+            for inc, seqs in by_inc.items():
+                seqs.sort()
+                first = prev = seqs[0]
+                for s in seqs[1:]:
+                    if s == prev + 1 or s == prev:
+                        prev = s
+                        continue
+                    entries.append([src, inc, first, prev])
+                    first = prev = s
+                entries.append([src, inc, first, prev])
+            self._send_control("ack", src, {"acks": entries}, src=self._ack_src)
+
+    # -- timers
+    def _timers(self, now: float) -> None:
+        st = self._state
+        if st == _DISCONNECTED:
+            if now >= self._reconnect_at and not self._closing:
+                self.n_reconnects += 1
+                self.log.info("reconnecting", endpoint=self.endpoint)
+                self._connect()
+            return
+        if now - self._last_rx > self._silence_limit():
+            self._lost(f"no traffic for {now - self._last_rx:.1f} s")
+            return
+        if st == _READY:
+            if self._acks and now >= self._next_ack:
+                self._flush_acks()
+                self._next_ack = now + self.ack_interval_s
+            if now - self._last_tx >= min(self.heartbeat_s, self._broker_hb):
+                self._send_control("heartbeat", BROKER, None, src=self.name)
+            if now >= self._next_resend:
+                self._next_resend = now + max(self.resend_s / 4, 0.05)
+                self._resend_stale(now)
+
+    def _resend_stale(self, now: float) -> None:
+        """Messages unacknowledged for resend_s are transmitted again (lost on the way?)."""
+        limit = now - self.resend_s
+        n = 0
+        for out in self._unacked.values():
+            if out.sent_at and out.sent_at < limit:
+                self._transmit(out.frames)
+                out.sent_at = now
+                n += 1
+        if n:
+            self.n_resent += n
+            self.log.info("resent stale unacknowledged messages", count=n)
+

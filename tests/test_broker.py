@@ -1,0 +1,434 @@
+"""The broker, as a real subprocess (`python -m fedbus.launch broker`), with real node
+processes and sockets on loopback: routing, role rules, malformed frames, purging, restart."""
+from __future__ import annotations
+
+import random
+import signal
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from conftest import wait_for
+from fedbus.broker import wire
+from fedbus.broker.peer import Peer
+from fedbus.broker.wire import Message
+
+# A client node process: hosts cfg["clients"], echoes every task as an update from the
+# addressed client, answers a broadcast eval once per node, reports what it received as JSON
+# lines on stdout, and exits on shutdown.
+ECHO_NODE = r"""
+import json, sys, threading, time
+cfg = json.loads(sys.argv[1])
+from fedbus.broker.log import configure_logging
+from fedbus.broker.peer import Peer
+configure_logging(level="info", json_file=cfg["log"], console=False, process=cfg["name"])
+p = Peer(cfg["endpoint"], cfg["name"], role="client", addresses=cfg["clients"],
+         heartbeat_s=cfg.get("hb", 1.0), liveness=3, backoff_initial_s=cfg.get("backoff", 1.0),
+         backoff_max_s=2.0)
+p.start(60)
+print(json.dumps({"event": "ready"}), flush=True)
+
+def sender(n, gap):
+    for i in range(n):
+        p.send("update", "server", {"i": i}, src=cfg["clients"][i % len(cfg["clients"])])
+        time.sleep(gap)
+    print(json.dumps({"event": "sent_all", "n": n}), flush=True)
+
+if cfg.get("send_n"):
+    threading.Thread(target=sender, args=(cfg["send_n"], cfg.get("gap", 0.01)), daemon=True).start()
+while True:
+    m = p.recv(120)
+    if m is None:
+        break
+    body = m.body if isinstance(m.body, (dict, list, str, int, float, type(None))) else None
+    if isinstance(body, dict):
+        body = {k: v for k, v in body.items() if not hasattr(v, "dtype")}
+    print(json.dumps({"event": "recv", "kind": m.kind, "src": m.src, "dst": m.dst,
+                      "seq": m.seq, "body": body}), flush=True)
+    if m.kind == "shutdown":
+        break
+    if m.kind == "task":
+        p.send("update", "server", {"echo": m.body["tag"], "node": cfg["name"]}, src=m.dst,
+               round=m.round)
+    elif m.kind == "eval" and m.dst == "*":
+        p.send("eval_result", "server", {"node": cfg["name"], "echo": m.body["tag"]},
+               src=cfg["name"])
+p.close(5)
+print(json.dumps({"event": "closed", "unacked": p.unacked_count}), flush=True)
+"""
+
+
+def echo_node(spawn_py, tmp_path, endpoint, name, clients, **cfg):
+    proc = spawn_py(ECHO_NODE, {"endpoint": endpoint, "name": name, "clients": clients,
+                                "log": str(tmp_path / f"{name}.jsonl"), **cfg}, name=name)
+    proc.expect("ready", timeout=60)
+    return proc
+
+
+def recv_until(peer: Peer, predicate, timeout: float = 30.0, into: list | None = None):
+    """Receive until predicate(msg) is true; returns that message (others go to `into`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise AssertionError("timed out waiting for a message")
+        m = peer.recv(remaining)
+        if m is None:
+            continue
+        if predicate(m):
+            return m
+        if into is not None:
+            into.append(m)
+
+
+def raw_dealer(ctx, endpoint: str, name: str) -> zmq.Socket:
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.IDENTITY, name.encode())
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    return s
+
+
+def raw_recv(sock, timeout: float = 10.0) -> Message | None:
+    if not sock.poll(int(timeout * 1000)):
+        return None
+    return wire.decode(sock.recv_multipart())
+
+
+def raw_register(sock, name: str, role: str, clients: list[str]) -> Message:
+    sock.send_multipart(wire.encode(Message(
+        "register", name, "broker", {"role": role, "node": name, "clients": clients})))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = raw_recv(sock, 1.0)
+        if m is not None and m.kind in ("ready", "error"):
+            return m
+    raise AssertionError("no answer to register")
+
+
+# ---------------------------------------------------------------------------- routing
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_routing_between_server_and_two_client_nodes(transport, tcp_endpoint, ipc_endpoint,
+                                                     broker_proc, spawn_py, tmp_path):
+    ep = tcp_endpoint if transport == "tcp" else ipc_endpoint
+    broker = broker_proc(ep, log_level="debug")
+    server = Peer(ep, "srv", role="server")
+    server.start(60)
+    hosts = {"nodeA": ["a0", "a1", "a2"], "nodeB": ["b0", "b1", "b2", "b3"]}
+    nodes = {n: echo_node(spawn_py, tmp_path, ep, n, ids) for n, ids in hosts.items()}
+    joins = {}
+    while len(joins) < 2:
+        m = recv_until(server, lambda m: m.kind == "join")
+        joins[m.body["node"]] = m.body["clients"]
+    assert joins == hosts
+
+    # every client id gets exactly its own tasks, answered by the node that hosts it
+    expected = {}
+    for cid in [c for ids in hosts.values() for c in ids]:
+        for k in range(3):
+            tag = f"{cid}/{k}"
+            server.send("task", cid, {"tag": tag, "w": np.full(4, k, np.float32)}, round=k)
+            expected[tag] = cid
+    echoes = {}
+    while len(echoes) < len(expected):
+        m = recv_until(server, lambda m: m.kind == "update")
+        assert m.body["echo"] not in echoes, "duplicate"
+        echoes[m.body["echo"]] = (m.src, m.body["node"])
+    for tag, cid in expected.items():
+        host = next(n for n, ids in hosts.items() if cid in ids)
+        assert echoes[tag] == (cid, host)
+    for name, proc in nodes.items():
+        want = sorted(t for t, c in expected.items() if c in hosts[name])
+        wait_for(lambda: sorted(r["body"]["tag"] for r in proc.records("recv")
+                                if r["kind"] == "task") == want, 10,
+                 message=f"{name} reported exactly its tasks")
+
+    # a broadcast reaches each node exactly once
+    server.send("eval", "*", {"tag": "all"})
+    answers = []
+    while len(answers) < 2:
+        answers.append(recv_until(server, lambda m: m.kind == "eval_result").body["node"])
+    assert sorted(answers) == ["nodeA", "nodeB"]
+    assert server.recv(0.5) is None
+
+    # shutdown to every node; the server hears both leave
+    server.send("shutdown", "*", {"tag": "bye"})
+    left = set()
+    while len(left) < 2:
+        m = recv_until(server, lambda m: m.kind == "leave")
+        assert m.body["reason"] == "unregistered"
+        left.add(m.body["node"])
+    for proc in nodes.values():
+        assert proc.expect("closed")["unacked"] == 0
+    wait_for(lambda: server.unacked_count == 0, 10, message="all acked")
+    server.close()
+    # one debug line per routed message, with the body's sha256
+    routed = broker.events("routed")
+    assert routed and all(len(r["sha256"]) == 64 and r["bytes"] > 0 for r in routed)
+    assert {"src", "dst", "kind", "seq"} <= set(routed[0])
+    assert broker.stop() == 0
+
+
+# ---------------------------------------------------------------------------- role rules
+def test_clients_cannot_reach_other_clients_or_spoof(tcp_endpoint, broker_proc, spawn_py,
+                                                     tmp_path):
+    broker = broker_proc(tcp_endpoint)
+    server = Peer(tcp_endpoint, "srv", role="server")
+    server.start(60)
+    victim = echo_node(spawn_py, tmp_path, tcp_endpoint, "victim", ["v0", "v1"])
+    recv_until(server, lambda m: m.kind == "join" and m.body["node"] == "victim")
+
+    ctx = zmq.Context()
+    rogue = raw_dealer(ctx, tcp_endpoint, "rogue")
+    assert raw_register(rogue, "rogue", "client", ["r0"]).kind == "ready"
+    recv_until(server, lambda m: m.kind == "join" and m.body["node"] == "rogue")
+    attempts = [
+        Message("task", "r0", "v0", {"tag": "hijack"}, seq=1, inc=1),  # client -> client
+        Message("update", "r0", "victim", {"tag": "x"}, seq=2, inc=1),  # client -> node
+        Message("eval", "r0", "*", {"tag": "all"}, seq=3, inc=1),  # client broadcast
+        Message("update", "v0", "server", {"tag": "spoof"}, seq=4, inc=1),  # not its id
+        Message("update", "server", "server", {"tag": "spoof"}, seq=5, inc=1),
+        Message("join", "rogue", "server", {"node": "fake"}, seq=6, inc=1),  # broker-only kind
+    ]
+    for m in attempts:
+        rogue.send_multipart(wire.encode(m))
+    errors = {}
+    while len(errors) < len(attempts):
+        m = raw_recv(rogue, 30)
+        assert m is not None, f"only {len(errors)} errors"
+        if m.kind == "error":
+            errors[m.body["seq"]] = m.body
+    assert all(e["code"] == "forbidden" and e["reason"] for e in errors.values())
+    assert errors[1]["dst"] == "v0" and "only 'server'" in errors[1]["reason"]
+    assert "does not host src 'v0'" in errors[4]["reason"]
+    # a legitimate message still works, and it is the only thing the server got from rogue
+    rogue.send_multipart(wire.encode(Message("update", "r0", "server", {"tag": "ok"}, seq=7,
+                                             inc=1)))
+    m = recv_until(server, lambda m: m.kind == "update")
+    assert (m.src, m.body) == ("r0", {"tag": "ok"})
+    # a valid but non-canonical header (any msgpack encoder's output) routes as well
+    for seq in (8, 9):
+        rogue.send_multipart([msgpack.packb({
+            "v": 1, "kind": "update", "src": "r0", "dst": "server", "run": "", "round": 0,
+            "seq": seq, "inc": 1, "ts": 0}), wire.encode_body({"tag": f"plain{seq}"})])
+        m = recv_until(server, lambda m: m.kind == "update")
+        assert (m.src, m.seq, m.body) == ("r0", seq, {"tag": f"plain{seq}"})
+    assert server.recv(0.5) is None
+    # the victim saw none of it: ask it for an echo and check its receive log
+    server.send("task", "v1", {"tag": "probe"})
+    recv_until(server, lambda m: m.kind == "update" and m.body["echo"] == "probe")
+    got = wait_for(lambda: victim.records("recv"), 10, message="the victim's log")
+    assert [r["body"]["tag"] for r in got] == ["probe"]
+    refused = broker.events("message refused", code="forbidden")
+    assert len(refused) == len(attempts)
+    server.close()
+    rogue.close()
+    ctx.term()
+
+
+def test_registration_conflicts_are_refused(tcp_endpoint, broker_proc):
+    broker_proc(tcp_endpoint)
+    server = Peer(tcp_endpoint, "srv", role="server")
+    server.start(60)
+    ctx = zmq.Context()
+    a = raw_dealer(ctx, tcp_endpoint, "nodeA")
+    assert raw_register(a, "nodeA", "client", ["c0", "c1"]).kind == "ready"
+    b = raw_dealer(ctx, tcp_endpoint, "nodeB")
+    r = raw_register(b, "nodeB", "client", ["c1", "c2"])
+    assert r.kind == "error" and r.body["code"] == "conflict" and "c1" in r.body["reason"]
+    s2 = raw_dealer(ctx, tcp_endpoint, "srv2")
+    r = raw_register(s2, "srv2", "server", [])
+    assert r.kind == "error" and r.body["code"] == "conflict"
+    bad = raw_dealer(ctx, tcp_endpoint, "badnode")
+    r = raw_register(bad, "badnode", "client", ["*"])
+    assert r.kind == "error" and r.body["code"] == "bad_register"
+    # re-register from the same node name replaces its entry (new client list)
+    assert raw_register(a, "nodeA", "client", ["c5"]).kind == "ready"
+    assert raw_register(b, "nodeB", "client", ["c1", "c2"]).kind == "ready"
+    # a message from a routing id that never registered: not_registered
+    ghost = raw_dealer(ctx, tcp_endpoint, "ghost")
+    ghost.send_multipart(wire.encode(Message("update", "ghost", "server", None)))
+    m = raw_recv(ghost, 30)
+    assert m.kind == "error" and m.body["code"] == "not_registered"
+    for s in (a, b, s2, bad, ghost):
+        s.close()
+    ctx.term()
+    server.close()
+
+
+# ---------------------------------------------------------------------------- bad frames
+def _bad_messages(rng: random.Random, n: int, max_frame: int):
+    """n malformed messages (lists of frames) the broker must reject, with their kind."""
+    good_h = wire.encode_header("update", "c0", "server", run="r", round=1, seq=5, inc=3,
+                                ts=1.0)
+    good_b = wire.encode_body({"x": 1})
+    out = []
+    for i in range(n):
+        k = i % 10
+        if k == 0:
+            frames = [rng.randbytes(rng.randrange(1, 100))]  # one frame
+        elif k == 1:
+            frames = [good_h, good_b, rng.randbytes(10)]  # three frames
+        elif k == 2:
+            frames = [rng.randbytes(rng.randrange(0, 120)), good_b]  # random header
+        elif k == 3:
+            frames = [good_h[: rng.randrange(0, len(good_h))], good_b]  # truncated header
+        elif k == 4:
+            h = bytearray(good_h)
+            pos = rng.randrange(0, len(h) - 53)  # in the prefix: structure/keys/strings
+            h[pos] = (h[pos] + rng.randrange(1, 256)) % 256
+            frames = [bytes(h), good_b]
+            try:
+                wire.decode_header(frames[0])
+                continue  # still valid (e.g. another valid kind) -- not a bad frame
+            except wire.WireError:
+                pass
+        elif k == 5:
+            frames = [msgpack.packb({"v": 2, "kind": "update", "src": "c0", "dst": "server",
+                                     "run": "", "round": 1, "seq": 1, "inc": 1, "ts": 0.0}),
+                      good_b]
+        elif k == 6:
+            frames = [msgpack.packb({"v": 1, "kind": "update", "src": 7}), good_b]
+        elif k == 7:
+            frames = [wire.encode_header("update", "c0", "server")[:-53] + b"\x00" * 53,
+                      good_b]
+        elif k == 8:
+            frames = [b"", b""]
+        else:
+            if i % 500 == 9:  # a few oversized bodies (> max_frame, < the zmq cut-off)
+                frames = [good_h, b"\x00" * (max_frame + 1 + rng.randrange(1000))]
+            else:
+                frames = [msgpack.packb([1, 2, 3]), good_b]
+        out.append(frames)
+    return out
+
+
+def test_ten_thousand_malformed_messages_do_not_hurt_a_live_broker(tcp_endpoint, broker_proc):
+    max_frame_mb = 0.25
+    max_frame = int(max_frame_mb * 1024 * 1024)
+    broker = broker_proc(tcp_endpoint, log_level="debug", max_frame_mb=max_frame_mb)
+    server = Peer(tcp_endpoint, "srv", role="server", max_frame=max_frame)
+    server.start(60)
+    ctx = zmq.Context()
+    # one attacker that registered, one that did not
+    reg = raw_dealer(ctx, tcp_endpoint, "attacker")
+    reg.setsockopt(zmq.SNDHWM, 0)
+    assert raw_register(reg, "attacker", "client", ["x0"]).kind == "ready"
+    unreg = raw_dealer(ctx, tcp_endpoint, "stranger")
+    unreg.setsockopt(zmq.SNDHWM, 0)
+    bad = _bad_messages(random.Random(7), 10_300, max_frame)[:10_000]
+    assert len(bad) == 10_000
+    for i, frames in enumerate(bad):
+        (reg if i % 2 else unreg).send_multipart(frames)
+
+    def counted():
+        return sum(1 for _ in broker.events("bad frame dropped")) >= len(bad)
+
+    wait_for(counted, 120, interval=0.5, message="10,000 bad-frame log lines")
+    assert broker.alive
+    lines = broker.events("bad frame dropped")
+    assert len(lines) == len(bad)
+    assert all(r.get("reason") for r in lines)
+    reasons = " ".join(r["reason"] for r in lines[:200])
+    for expect in ("expected 2", "unsupported protocol version 2", "header"):
+        assert expect in reasons
+    assert any("exceeds max_frame" in r["reason"] for r in lines)
+    wait_for(lambda: any(r.get("bad_frames_total", 0) >= len(bad)
+                         for r in broker.events("counters")), 30, message="counters line")
+
+    # a frame far beyond the limit makes libzmq drop that connection; the broker lives on
+    reg.send_multipart([b"\x00" * 100, b"\x00" * (3 * max_frame)])
+
+    # and a valid message still routes afterwards
+    node = Peer(tcp_endpoint, "good", role="client", addresses=["g0"], max_frame=max_frame)
+    node.start(60)
+    node.send("update", "server", {"ok": np.arange(5)}, src="g0")
+    m = recv_until(server, lambda m: m.kind == "update")
+    assert m.src == "g0" and list(m.body["ok"]) == [0, 1, 2, 3, 4]
+    assert broker.alive
+    node.close()
+    server.close()
+    reg.close()
+    unreg.close()
+    ctx.term()
+
+
+# ---------------------------------------------------------------------------- purge
+def test_sigkilled_node_is_purged_and_the_server_told(tcp_endpoint, broker_proc, spawn_py,
+                                                      tmp_path):
+    hb, liveness = 0.2, 3
+    broker = broker_proc(tcp_endpoint, heartbeat_s=hb, liveness=liveness)
+    server = Peer(tcp_endpoint, "srv", role="server", heartbeat_s=hb, liveness=liveness)
+    server.start(60)
+    node = echo_node(spawn_py, tmp_path, tcp_endpoint, "doomed", ["d0", "d1"], hb=hb)
+    recv_until(server, lambda m: m.kind == "join" and m.body["node"] == "doomed")
+    node.kill(signal.SIGKILL)
+    t0 = time.monotonic()
+    m = recv_until(server, lambda m: m.kind == "leave", timeout=30)
+    elapsed = time.monotonic() - t0
+    assert m.src == "broker"
+    assert m.body == {"node": "doomed", "clients": ["d0", "d1"], "reason": "purged"}
+    purged = broker.events("node purged", node="doomed")
+    assert len(purged) == 1 and purged[0]["silent_s"] >= hb * liveness
+    print(f"purged {elapsed:.2f} s after SIGKILL (interval x liveness = {hb * liveness} s)")
+    # its client ids are gone: a task to one is refused as unroutable (after the grace)
+    server.send("task", "d0", {"tag": "late"})
+    e = recv_until(server, lambda m: m.kind == "error", timeout=60)
+    assert e.body["code"] == "unroutable" and e.body["dst"] == "d0"
+    wait_for(lambda: server.unacked_count == 0, 10, message="resend buffer cleared")
+    server.close()
+
+
+# ---------------------------------------------------------------------------- restart
+def test_broker_restart_mid_exchange_delivers_exactly_once(tcp_endpoint, broker_proc,
+                                                           spawn_py, tmp_path):
+    hb, n_up, n_down = 0.2, 300, 60
+    broker = broker_proc(tcp_endpoint, heartbeat_s=hb, liveness=3)
+    server = Peer(tcp_endpoint, "srv", role="server", heartbeat_s=hb, liveness=3,
+                  backoff_initial_s=0.2, backoff_max_s=1.0)
+    server.start(60)
+    node = echo_node(spawn_py, tmp_path, tcp_endpoint, "worker", ["w0", "w1"], hb=hb,
+                     backoff=0.2, send_n=n_up, gap=0.01)
+    ups: list[int] = []
+    echoes: list[str] = []
+
+    def pump(done, timeout: float = 90.0):
+        deadline = time.monotonic() + timeout
+        while not done():
+            assert time.monotonic() < deadline, f"{len(ups)} updates, {len(echoes)} echoes"
+            m = server.recv(0.5)
+            if m is None or m.kind != "update":
+                continue
+            if "i" in m.body:
+                ups.append(m.body["i"])
+            else:
+                echoes.append(m.body["echo"])
+
+    pump(lambda: len(ups) >= 60)
+    for j in range(n_down // 3):  # tasks before the crash
+        server.send("task", f"w{j % 2}", {"tag": f"t{j}"})
+    broker.kill()  # SIGKILL: whatever it held is lost
+    for j in range(n_down // 3, 2 * n_down // 3):  # tasks while it is down (queued)
+        server.send("task", f"w{j % 2}", {"tag": f"t{j}"})
+    time.sleep(0.5)
+    broker.start()
+    for j in range(2 * n_down // 3, n_down):  # tasks after the restart
+        server.send("task", f"w{j % 2}", {"tag": f"t{j}"})
+    pump(lambda: len(set(ups)) == n_up and len(set(echoes)) == n_down)
+    t_end = time.monotonic() + 1.5  # a late duplicate would show up now
+    pump(lambda: time.monotonic() > t_end)
+    assert sorted(ups) == list(range(n_up)), "each numbered update exactly once"
+    assert sorted(echoes) == sorted(f"t{j}" for j in range(n_down)), "each echo exactly once"
+    server.send("shutdown", "worker", {"tag": "bye"})
+    assert node.expect("closed", timeout=60)["unacked"] == 0
+    tasks = [r["body"]["tag"] for r in node.records("recv") if r["kind"] == "task"]
+    assert sorted(tasks) == sorted(f"t{j}" for j in range(n_down)), "each task exactly once"
+    # both peers registered with both broker incarnations
+    assert len(broker.events("broker listening")) == 2
+    assert len(broker.events("node registered", node="srv")) >= 2
+    assert len(broker.events("node registered", node="worker")) >= 2
+    wait_for(lambda: server.unacked_count == 0, 30, message="server resend buffer empty")
+    server.close()

@@ -1,0 +1,232 @@
+"""The node runtime (Peer) against a real broker subprocess: duplicates, acks, resends after
+reconnecting, heartbeats from the I/O thread while the application thread is busy."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+from conftest import free_port, wait_for
+from fedbus.broker import wire
+from fedbus.broker.peer import Peer, PeerError
+from fedbus.broker.wire import Message
+
+
+def recv_kind(peer: Peer, kind: str, timeout: float = 30.0, others: list | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = peer.recv(max(0.0, deadline - time.monotonic()))
+        if m is None:
+            continue
+        if m.kind == kind:
+            return m
+        if others is not None:
+            others.append(m)
+    raise AssertionError(f"no {kind!r} within {timeout} s")
+
+
+def raw_client(ctx, endpoint: str, name: str, clients: list[str]) -> zmq.Socket:
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.IDENTITY, name.encode())
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    s.send_multipart(wire.encode(Message(
+        "register", name, "broker", {"role": "client", "node": name, "clients": clients})))
+    assert s.poll(30_000)
+    assert wire.decode(s.recv_multipart()).kind == "ready"
+    return s
+
+
+def test_duplicates_are_dropped_by_src_inc_seq_and_acked(ipc_endpoint, broker_proc):
+    broker_proc(ipc_endpoint)
+    server = Peer(ipc_endpoint, "srv", role="server")
+    server.start(60)
+    ctx = zmq.Context()
+    raw = raw_client(ctx, ipc_endpoint, "raw", ["c0", "c1"])
+    A, B = 111, 222
+    sends = [("c0", A, 1), ("c0", A, 2), ("c0", A, 1), ("c0", A, 2), ("c1", A, 1),
+             ("c0", B, 1), ("c0", A, 3), ("c0", A, 3), ("c1", A, 1)]
+    for src, inc, seq in sends:
+        raw.send_multipart(wire.encode(Message("update", src, "server", {"k": [src, inc, seq]},
+                                               seq=seq, inc=inc, ts=time.time())))
+    got = []
+    while len(got) < 5:
+        m = recv_kind(server, "update")
+        got.append((m.src, m.inc, m.seq))
+        assert m.body["k"] == [m.src, m.inc, m.seq]
+    assert got == [("c0", A, 1), ("c0", A, 2), ("c1", A, 1), ("c0", B, 1), ("c0", A, 3)]
+    assert server.recv(0.5) is None
+    assert server.n_duplicates == 4
+
+    # every copy is acknowledged (duplicates too): acks go to each src address
+    acked: dict[tuple[str, int], set[int]] = {}
+    deadline = time.monotonic() + 10
+    want = {("c0", A): {1, 2, 3}, ("c0", B): {1}, ("c1", A): {1}}
+    while acked != want and time.monotonic() < deadline:
+        if not raw.poll(200):
+            continue
+        m = wire.decode(raw.recv_multipart())
+        if m.kind != "ack":
+            continue
+        assert m.src == "server" and m.seq == 0
+        for src, inc, first, last in m.body["acks"]:
+            assert src == m.dst
+            acked.setdefault((src, inc), set()).update(range(first, last + 1))
+    assert acked == want
+    raw.close()
+    ctx.term()
+    server.close()
+
+
+def test_messages_sent_before_start_and_acks_empty_the_resend_buffer(tcp_endpoint,
+                                                                      broker_proc):
+    broker_proc(tcp_endpoint)
+    server = Peer(tcp_endpoint, "srv", role="server")
+    server.start(60)
+    node = Peer(tcp_endpoint, "n1", role="client", addresses=["c0"])
+    early = [node.send("update", "server", {"i": i}) for i in range(5)]  # not started yet
+    assert [m.seq for m in early] == [1, 2, 3, 4, 5] and all(m.frames for m in early)
+    assert node.unacked_count == 5
+    node.start(60)
+    got = [recv_kind(server, "update").body["i"] for _ in range(5)]
+    assert got == [0, 1, 2, 3, 4]
+    wait_for(lambda: node.unacked_count == 0, 10, message="acks for the early messages")
+    assert node.connected
+    node.close()
+    server.close()
+
+
+def test_resend_after_reconnect_exactly_once(broker_proc):
+    ep = f"tcp://127.0.0.1:{free_port()}"
+    hb = 0.2
+    broker = broker_proc(ep, heartbeat_s=hb, liveness=3)
+    kw = dict(heartbeat_s=hb, liveness=3, backoff_initial_s=0.2, backoff_max_s=1.0)
+    server = Peer(ep, "srv", role="server", **kw)
+    server.start(60)
+    node = Peer(ep, "n1", role="client", addresses=["c0", "c1"], **kw)
+    node.start(60)
+    recv_kind(server, "join")
+    node.send("update", "server", {"i": -1}, src="c0")
+    assert recv_kind(server, "update").body == {"i": -1}
+
+    broker.kill()
+    wait_for(lambda: not node.connected and not server.connected, 30,
+             message="both peers notice the broker is gone")
+    for i in range(20):
+        node.send("update", "server", {"i": i}, src=f"c{i % 2}")
+    for j in range(10):
+        server.send("task", f"c{j % 2}", {"j": j})
+    assert node.unacked_count >= 20 and server.unacked_count >= 10
+    broker.start()
+
+    ups, tasks = [], []
+    others: list[Message] = []
+    deadline = time.monotonic() + 60
+    while (len(ups) < 20 or len(tasks) < 10) and time.monotonic() < deadline:
+        m = server.recv(0.1)
+        if m is not None and m.kind == "update":
+            ups.append(m.body["i"])
+        m = node.recv(0.1)
+        if m is not None and m.kind == "task":
+            tasks.append(m.body["j"])
+    # nothing more arrives (no duplicates)
+    time.sleep(1.0)
+    while (m := server.recv(0.2)) is not None:
+        others.append(m)
+        assert m.kind != "update", m
+    while (m := node.recv(0.2)) is not None:
+        assert m.kind != "task", m
+    assert sorted(ups) == list(range(20))
+    assert sorted(tasks) == list(range(10))
+    assert node.n_reconnects >= 1 and server.n_reconnects >= 1
+    wait_for(lambda: node.unacked_count == 0 and server.unacked_count == 0, 30,
+             message="all acknowledged")
+    assert node.connected and server.connected
+    node.close()
+    server.close()
+
+
+# A client node whose application thread sleeps, then spins in pure Python, for much longer
+# than heartbeat x liveness; it must stay registered because heartbeats come from the I/O
+# thread.
+BUSY_NODE = r"""
+import json, sys, time
+cfg = json.loads(sys.argv[1])
+from fedbus.broker.log import configure_logging
+from fedbus.broker.peer import Peer
+configure_logging(level="info", console=False)
+p = Peer(cfg["endpoint"], "busy", role="client", addresses=["c9"], heartbeat_s=cfg["hb"],
+         liveness=3)
+p.start(60)
+print(json.dumps({"event": "ready"}), flush=True)
+time.sleep(cfg["busy_s"])           # e.g. waiting on a GPU
+t = time.monotonic(); x = 0
+while time.monotonic() - t < cfg["busy_s"]:   # holding the GIL in Python code
+    x += 1
+p.send("update", "server", {"alive": True, "spins": x})
+print(json.dumps({"event": "sent"}), flush=True)
+m = p.recv(60)
+p.close(2)
+print(json.dumps({"event": "closed"}), flush=True)
+"""
+
+
+def test_heartbeats_continue_while_the_app_thread_is_busy(tcp_endpoint, broker_proc, spawn_py):
+    hb, liveness, busy_s = 0.2, 3, 2.0  # silence limit 0.6 s; busy for 4 s in all
+    broker = broker_proc(tcp_endpoint, heartbeat_s=hb, liveness=liveness)
+    server = Peer(tcp_endpoint, "srv", role="server", heartbeat_s=hb, liveness=liveness)
+    server.start(60)
+    proc = spawn_py(BUSY_NODE, {"endpoint": tcp_endpoint, "hb": hb, "busy_s": busy_s},
+                    name="busy")
+    proc.expect("ready", timeout=60)
+    recv_kind(server, "join")
+    others: list[Message] = []
+    m = recv_kind(server, "update", timeout=60, others=others)
+    assert m.src == "c9" and m.body["alive"] is True and m.body["spins"] > 0
+    assert not [o for o in others if o.kind == "leave"], others
+    assert broker.events("node purged") == []
+    server.send("shutdown", "busy", None)
+    proc.expect("closed", timeout=60)
+    server.close()
+
+
+def test_unroutable_error_is_delivered_and_clears_the_resend_buffer(tcp_endpoint, broker_proc):
+    broker_proc(tcp_endpoint, grace_s=0)
+    server = Peer(tcp_endpoint, "srv", role="server")
+    server.start(60)
+    sent = server.send("task", "nobody", {"x": 1}, round=4)
+    e = recv_kind(server, "error")
+    assert e.src == "broker" and e.dst == "server"
+    assert e.body["code"] == "unroutable" and e.body["dst"] == "nobody"
+    assert e.body["seq"] == sent.seq and e.body["kind"] == "task"
+    wait_for(lambda: server.unacked_count == 0, 10, message="the refused message forgotten")
+    server.close()
+
+
+def test_start_fails_cleanly(tcp_endpoint, broker_proc):
+    # nobody listening
+    lonely = Peer(f"tcp://127.0.0.1:{free_port()}", "n", role="client", addresses=["c0"])
+    with pytest.raises(PeerError, match="no answer"):
+        lonely.start(timeout=1.0)
+    # refused: a second server, a client id already taken
+    broker_proc(tcp_endpoint)
+    s1 = Peer(tcp_endpoint, "srv1", role="server")
+    s1.start(60)
+    with pytest.raises(PeerError, match="conflict"):
+        Peer(tcp_endpoint, "srv2", role="server").start(30)
+    n1 = Peer(tcp_endpoint, "n1", role="client", addresses=["c0"])
+    n1.start(60)
+    with pytest.raises(PeerError, match="conflict"):
+        Peer(tcp_endpoint, "n2", role="client", addresses=["c0", "c1"]).start(30)
+    # local misuse is caught before anything is sent
+    with pytest.raises(ValueError):
+        n1.send("update", "c5", {})  # a client node may address only the server
+    with pytest.raises(ValueError):
+        n1.send("update", "server", {}, src="c1")  # not hosted here
+    with pytest.raises(ValueError):
+        n1.send("heartbeat", "server", None)  # the runtime's own kind
+    with pytest.raises(wire.WireError):
+        n1.send("update", "server", {"x": object()})
+    n1.close()
+    s1.close()
