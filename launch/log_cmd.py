@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -60,26 +61,41 @@ def main(args: argparse.Namespace) -> int:
         print("(empty log)")
         return 0
     t0 = entries[0]["t"]
-    for e in picked:
-        if args.json:
-            print(json.dumps(e))
-            continue
-        arrow = {"in": "<-", "out": "->"}.get(e["dir"], "..")
-        peer = e["src"] if e["dir"] == "in" else e["dst"]
-        rnd = "" if e.get("round", -1) < 0 else f"r{e['round']}"
-        print(f"{e['t'] - t0:9.3f}s {arrow} {e['kind']:<12} {peer:<10} {rnd:<5} "
-              f"{e['bytes']:>10,} B  seq {e['seq']}")
-    ended = _round_outcomes(run, args.round, args.client)
-    if ended:
-        print(ended)
+    try:
+        for e in picked:
+            if args.json:
+                print(json.dumps(e))
+                continue
+            arrow = {"in": "<-", "out": "->"}.get(e["dir"], "..")
+            peer = e["src"] if e["dir"] == "in" else e["dst"]
+            rnd = "" if e.get("round", -1) < 0 else f"r{e['round']}"
+            print(f"{e['t'] - t0:9.3f}s {arrow} {e['kind']:<12} {peer:<10} {rnd:<5} "
+                  f"{e['bytes']:>10,} B  seq {e['seq']}")
+        ended = _round_outcomes(run, args.round, args.client, entries)
+        if ended:
+            print(ended)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `fedbus log RUN | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
-def _round_outcomes(run: Path, round_: int | None, client: int | None) -> str:
-    """Who was sampled, answered, late or dead, from metrics.jsonl."""
+def _ids(addresses: list) -> str:
+    return ",".join(str(a).removeprefix("c") for a in addresses) or "-"
+
+
+def _round_outcomes(run: Path, round_: int | None, client: int | None,
+                    entries: list[dict] = ()) -> str:
+    """Who was sampled (the tasks of the round, from the index), answered, late
+    or dead (from metrics.jsonl)."""
     path = run / "metrics.jsonl"
     if not path.exists():
         return ""
+    sampled: dict[int, list[int]] = {}
+    for e in entries:
+        dst = str(e.get("dst", ""))
+        if e.get("kind") == "task" and e.get("dir") == "out" and dst[1:].isdigit():
+            sampled.setdefault(e.get("round"), []).append(int(dst[1:]))
     lines = []
     for line in path.read_text().splitlines():
         try:
@@ -98,5 +114,8 @@ def _round_outcomes(run: Path, round_: int | None, client: int | None) -> str:
             for c, why in failed.items():
                 by.setdefault(why, []).append(c)
             extra = "  ".join(f"{why}: {','.join(cs)}" for why, cs in sorted(by.items()))
-            lines.append(f"round {rec['round']}: {len(answered)} answered  {extra}".rstrip())
+            asked = sorted(set(sampled.get(rec["round"], [])))
+            who = _ids(asked) if asked else rec.get("sampled", "?")  # the index may be cut
+            lines.append(f"round {rec['round']}: sampled {who}  answered {_ids(answered)}  "
+                         f"{extra}".rstrip())
     return "\n".join(lines)

@@ -47,13 +47,16 @@ class Progress:
 
     def __enter__(self) -> "Progress":
         if self.enabled and self.tty:
+            from rich.console import Console
             from rich.progress import BarColumn, Progress as RichProgress, TextColumn, \
                 TimeElapsedColumn, TimeRemainingColumn
 
+            # on stderr, the terminal it checked: stdout may be a file (the summary)
             self._live = RichProgress(TextColumn("[bold]rounds"), BarColumn(),
                                       TextColumn("{task.completed}/{task.total}"),
                                       TimeElapsedColumn(), TimeRemainingColumn(),
-                                      TextColumn("{task.description}"), transient=False)
+                                      TextColumn("{task.description}"), transient=False,
+                                      console=Console(file=sys.stderr))
             self._live.start()
             self._task = self._live.add_task("starting", total=self.rounds)
         return self
@@ -83,7 +86,8 @@ class Progress:
             self._live = None
 
     def __exit__(self, *exc) -> None:
-        if self._live is not None:
+        # the server may have written its last rounds since the last look
+        if self._live is not None or not self.tty:
             self.refresh()
         self.stop()
 

@@ -65,4 +65,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"replay diverged at {res.divergence}", file=sys.stderr)
         return 1
     print(f"replay identical: {res.messages} messages, {res.rounds} rounds")
+    if res.cut:
+        print("note: the log ends before the run did (server killed or stopped); "
+              "everything logged replays")
     return 0

@@ -57,17 +57,22 @@ class MessageLogWriter:
         self.bin_path = folder / "messages.bin"
         self.index_path = folder / "messages.jsonl"
         resume = append and self.bin_path.exists()
+        records: list[Record] = []
         if resume:
             records, good_end = scan(self.bin_path)
-            self.count = len(records)
             with open(self.bin_path, "r+b") as f:
                 f.truncate(good_end)  # drop a torn tail before appending
-        else:
-            self.count = 0
+        self.count = 0
         self._bin = open(self.bin_path, "ab" if resume else "wb", buffering=0)
-        self._index = open(self.index_path, "a" if resume else "w")
+        # The index is rebuilt from the records: a killed process may have lost its
+        # last unflushed index lines, or left half a line that appending would corrupt.
+        self._index = open(self.index_path, "w")
         if not resume:
             self._bin.write(MAGIC)
+        for rec in records:
+            self._index_line(rec.offset, rec.direction, rec.time, rec.frames,
+                             _header_of(rec.frames))
+        self._index.flush()
 
     def write(self, direction: str, time: float, frames: list[bytes] | None,
               header: dict | None = None) -> None:
@@ -75,6 +80,10 @@ class MessageLogWriter:
         payload = msgpack.packb([direction, time, *frames], use_bin_type=True)
         offset = self._bin.tell()
         self._bin.write(_HEAD.pack(len(payload), zlib.crc32(payload)) + payload)
+        self._index_line(offset, direction, time, frames, header)
+
+    def _index_line(self, offset: int, direction: str, time: float, frames: list[bytes],
+                    header: dict | None) -> None:
         h = header or {}
         body = frames[1] if len(frames) > 1 else b""
         self._index.write(json.dumps({
@@ -106,6 +115,7 @@ def scan(path: str | Path) -> tuple[list[Record], int]:
     pos = len(MAGIC)
     while pos < len(data):
         if pos + _HEAD.size > len(data):
+            _check_torn(path, pos, len(records), "the record header is cut short")
             break  # torn header at the end
         length, crc = _HEAD.unpack_from(data, pos)
         start, end = pos + _HEAD.size, pos + _HEAD.size + length
@@ -139,6 +149,18 @@ def _check_torn(path: Path, pos: int, index: int, what: str) -> None:
                 continue  # a torn index line
             if entry.get("off", -1) >= pos:
                 raise LogCorrupt(f"{path}: record {index} at offset {pos}: {what}")
+
+
+def _header_of(frames: list[bytes]) -> dict | None:
+    """The index fields of a logged message, from its header frame."""
+    if len(frames) != 2 or not frames[0]:
+        return None
+    from fedbus.broker.wire import WireError, decode_header
+
+    try:
+        return decode_header(frames[0])
+    except WireError:
+        return None
 
 
 def read_log(folder: str | Path) -> Iterator[Record]:

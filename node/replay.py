@@ -21,10 +21,11 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from fedbus.broker.wire import Message, decode, decode_body, encode_body
+from fedbus.broker.wire import (DEFAULT_MAX_FRAME, Message, WireError, decode, decode_body,
+                                encode_body)
 from fedbus.node.config import Config, build_config
 from fedbus.node.engine import Engine, Out, client_address, count_params
-from fedbus.node.msglog import Record, read_log
+from fedbus.node.msglog import LogCorrupt, Record, read_log
 from fedbus.node.server import build_engine, dispatch
 
 
@@ -56,6 +57,7 @@ class ReplayResult:
     rounds: int
     divergence: Divergence | None
     engine: Engine
+    cut: bool = False  # the log ends mid-run (server killed): its last outputs were never logged
 
 
 def _first_difference(a: Any, b: Any, path: str = "body") -> str | None:
@@ -84,8 +86,16 @@ def _first_difference(a: Any, b: Any, path: str = "body") -> str | None:
     return None if a == b else path
 
 
-def _compare(out: Out, rec: Record) -> Divergence | None:
-    logged = decode(rec.frames)
+def _decode(rec: Record, max_frame: int) -> Message:
+    """A logged message; a record that passed its checksum but is no message is corrupt."""
+    try:
+        return decode(rec.frames, max_frame=max_frame)
+    except WireError as err:
+        raise LogCorrupt(f"record {rec.index} at offset {rec.offset}: not a message: {err}") \
+            from None
+
+
+def _compare(out: Out, rec: Record, logged: Message) -> Divergence | None:
     for name, mine, theirs in (("kind", out.kind, logged.kind), ("dst", out.dst, logged.dst),
                                ("round", out.round, logged.round)):
         if mine != theirs:
@@ -103,6 +113,7 @@ def replay_server(run_dir: str | Path, *, until_round: int | None = None) -> Rep
     torch.set_num_threads(1)
     cfg, run_id = load_run(run_dir)
     engine = build_engine(cfg, run_id)
+    max_frame = max(int(cfg.bus.max_frame_mb) << 20, DEFAULT_MAX_FRAME)
     records = list(read_log(run_dir))
     pending: list[Out] = []
     count = 0
@@ -111,23 +122,26 @@ def replay_server(run_dir: str | Path, *, until_round: int | None = None) -> Rep
             break
         count += 1
         if rec.direction == "out":
+            m = _decode(rec, max_frame)
             if not pending:
-                m = decode(rec.frames)
                 return ReplayResult(count, engine.version, Divergence(
                     rec.index, m.round, "kind", f"log has an extra {m.kind} to {m.dst}"), engine)
             out = pending.pop(0)
-            div = _compare(out, rec)
+            div = _compare(out, rec, m)
             if div:
                 return ReplayResult(count, engine.version, div, engine)
             if out.kind in ("task", "eval"):
                 engine.note_sent(out, rec.nbytes, count_params(out.body.get("payload")))
             continue
-        if pending:
+        if pending and rec.direction != "resume":
             return ReplayResult(count, engine.version, Divergence(
                 rec.index, pending[0].round, "kind",
                 f"replay sent {pending[0].kind} to {pending[0].dst}, the log has none"), engine)
+        # (before a "resume" record, outputs still pending are those the killed server
+        # never logged: the resumed server starts again from its checkpoint)
+        pending = []
         if rec.direction == "in":
-            pending = dispatch(engine, decode(rec.frames), rec.time)
+            pending = dispatch(engine, _decode(rec, max_frame), rec.time)
         elif rec.direction == "tick":
             pending = engine.on_tick(rec.time)
         elif rec.direction == "resume":
@@ -136,11 +150,15 @@ def replay_server(run_dir: str | Path, *, until_round: int | None = None) -> Rep
                                                max_frame=max(len(rec.frames[1]), 1)))
         engine.records.clear()
         engine.events.clear()
-    if pending and until_round is None:
+    # A finished run's log ends with its shutdown; any other log was cut short (the
+    # server was killed or stopped), and the outputs it had not logged yet are unknown.
+    cut = not records or records[-1].direction != "out" or \
+        _decode(records[-1], max_frame).kind != "shutdown"
+    if pending and until_round is None and not cut:
         return ReplayResult(count, engine.version, Divergence(
             len(records), pending[0].round, "kind",
             f"replay sent {pending[0].kind} to {pending[0].dst} after the log ends"), engine)
-    return ReplayResult(count, engine.version, None, engine)
+    return ReplayResult(count, engine.version, None, engine, cut=cut)
 
 
 # --- one client ---
@@ -162,17 +180,38 @@ def _arrays(value: Any, path: str = "payload") -> Iterator[tuple[str, np.ndarray
             yield from _arrays(v, f"{path}.{k}")
 
 
+def _as_logged(handler: Any, body: dict[str, Any], logged: Message | None) -> dict[str, Any]:
+    """A task whose time budget cut it short stopped where the live client's clock
+    said (a slow device's virtual clock runs on real time): replay the steps it
+    logged instead of timing itself again. Handlers see only run.batches()."""
+    from fedbus.algorithms.base import LocalRun
+
+    work = logged.body.get("work") if logged is not None and isinstance(logged.body, dict) \
+        else None
+    if not isinstance(work, dict) or work.get("stopped") != "budget":
+        return body
+    steps = int(work.get("steps", 0))
+    body = {**body, "budget_s": 0.0}
+    if steps == 0:
+        body["epochs"] = 0  # no minibatch at all
+        return body
+    per_epoch = LocalRun(handler.ctx, epochs=int(body["epochs"]), seed=0).steps_per_epoch()
+    body["sim"] = {**body.get("sim", {}), "epochs_to_run": steps / per_epoch}
+    return body
+
+
 def replay_client(run_dir: str | Path, client: int, round_: int) -> ClientReplay:
     from fedbus.node.client_host import ClientPool, run_task
 
-    torch.set_num_threads(1)
     cfg, _ = load_run(run_dir)
+    torch.set_num_threads(cfg.launch.threads)  # as the live node did
+    max_frame = max(int(cfg.bus.max_frame_mb) << 20, DEFAULT_MAX_FRAME)
     address = client_address(client)
     records = list(read_log(run_dir))
     updates: dict[int, Message] = {}
     for rec in records:
         if rec.direction == "in":
-            m = decode(rec.frames)
+            m = _decode(rec, max_frame)
             if m.kind == "update" and m.src == address and isinstance(m.body, dict):
                 updates[m.body.get("task")] = m
     pool = ClientPool(cfg, torch.device("cpu"), max_resident=1)
@@ -180,7 +219,7 @@ def replay_client(run_dir: str | Path, client: int, round_: int) -> ClientReplay
     for rec in records:
         if rec.direction != "out":
             continue
-        m = decode(rec.frames)
+        m = _decode(rec, max_frame)
         if m.dst != address:
             continue
         if m.kind == "eval":
@@ -188,10 +227,10 @@ def replay_client(run_dir: str | Path, client: int, round_: int) -> ClientReplay
             continue
         if m.kind != "task" or m.body.get("sim", {}).get("drop"):
             continue
-        mine, _ = run_task(handler, m.body)
+        logged = updates.get(m.body["task"])
+        mine, _ = run_task(handler, _as_logged(handler, m.body, logged))
         if m.round != round_:
             continue
-        logged = updates.get(m.body["task"])
         if logged is None:
             raise LookupError(f"c{client} never answered its round-{round_} task "
                               f"{m.body['task']} (dropped, late past the log, or dead)")
