@@ -36,6 +36,10 @@ def load_run_config(path: Path, overrides: list[str]):
 def main(args: argparse.Namespace) -> int:
     try:
         if args.resume:
+            if args.overrides or args.config:
+                print("fedbus server: --resume continues a run with its own config "
+                      "(replay depends on it); drop CONFIG and --set", file=sys.stderr)
+                return 2
             run_dir = Path(args.resume)
             cfg = load_run_config(run_dir / "config.json", args.overrides)
         elif args.config and args.config.endswith(".json"):

@@ -14,6 +14,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fedbus.algorithms import get_algorithm
 from fedbus.algorithms.base import ServerContext, ServerHandler
 from fedbus.broker.log import get_logger
@@ -99,19 +101,19 @@ class ServerNode:
         self.cfg = cfg
         self.resume = resume
         self.run = RunDir(run_dir, resume=resume)
-        self.run_id = run_id or self._run_id()
+        self.run_id = self._run_id(run_id)
         self.broker = broker
         self.engine = build_engine(cfg, self.run_id)
         self.started = time.time()
         self.msglog: MessageLogWriter | None = None
         self._status_at = 0.0
 
-    def _run_id(self) -> str:
+    def _run_id(self, given: str | None) -> str:
         path = self.run.path / "run_id"
         if self.resume and path.exists():
             return path.read_text().strip()
-        rid = uuid.uuid4().hex[:12]
-        path.write_text(rid)
+        rid = given or uuid.uuid4().hex[:12]
+        path.write_text(rid)  # replay rebuilds the server under this id
         return rid
 
     def _restore(self) -> None:
@@ -134,7 +136,9 @@ class ServerNode:
 
     def serve(self) -> int:
         cfg = self.cfg
-        self.run.write_config(cfg.to_dict())
+        torch.set_num_threads(1)  # replay runs the server's mathematics on one thread too
+        if not self.resume:
+            self.run.write_config(cfg.to_dict())
         if cfg.log.messages:
             self.msglog = MessageLogWriter(self.run.path, append=self.resume)
         if self.resume:
