@@ -42,6 +42,7 @@ class Progress:
         self.tty = sys.stderr.isatty()
         self.rounds = cfg.federation.rounds
         self.seen = 0
+        self.models_shown = False
         self._live = None
         self._task = None
 
@@ -64,6 +65,7 @@ class Progress:
     def refresh(self) -> None:
         if not self.enabled:
             return
+        self._models()
         st = _read_status(self.run_dir)
         if self._live is not None:
             if st:
@@ -79,6 +81,23 @@ class Progress:
                   f"proto_acc {_fmt_acc(rec.get('proto_acc_mean'))}  "
                   f"wall {rec.get('wall_s', 0):.1f}s", file=sys.stderr, flush=True)
         self.seen = len(records)
+
+    def _models(self) -> None:
+        """The networks' parameter counts and feature dims, once the server wrote them."""
+        if self.models_shown:
+            return
+        try:
+            rows = json.loads((self.run_dir / "models.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return
+        self.models_shown = True
+        from fedbus.models import format_group
+
+        text = format_group(rows)
+        if self._live is not None:
+            self._live.console.print(text)
+        else:
+            print(text, file=sys.stderr, flush=True)
 
     def stop(self) -> None:
         if self._live is not None:
