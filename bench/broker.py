@@ -212,7 +212,6 @@ def _frames(case: str):
 
 
 def _register(sock, name: str, role: str, clients: list[str]) -> None:
-    import zmq
 
     from fedbus.broker import wire
 

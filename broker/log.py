@@ -21,7 +21,7 @@ import threading
 
 import structlog
 
-__all__ = ["configure_logging", "get_logger", "LEVELS"]
+__all__ = ["LEVELS", "configure_logging", "get_logger"]
 
 LEVELS = {
     "debug": logging.DEBUG,

@@ -15,7 +15,8 @@ import random
 import threading
 import time
 from collections import deque
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import zmq
 
@@ -45,7 +46,7 @@ class PeerError(RuntimeError):
 class _Out:
     """A sent message awaiting its acknowledgement."""
 
-    __slots__ = ("msg", "frames", "nbytes", "sent_at", "waiting")
+    __slots__ = ("frames", "msg", "nbytes", "sent_at", "waiting")
 
     def __init__(self, msg: Message, waiting: set | None):
         self.msg = msg
@@ -58,7 +59,7 @@ class _Out:
 class _In:
     """A received application message whose body is decoded lazily, in recv()."""
 
-    __slots__ = ("kind", "src", "dst", "run", "round", "seq", "inc", "ts", "hdr", "body")
+    __slots__ = ("body", "dst", "hdr", "inc", "kind", "round", "run", "seq", "src", "ts")
 
     def __init__(self, kind, src, dst, run, rnd, seq, inc, ts, hdr, body):
         self.kind, self.src, self.dst, self.run = kind, src, dst, run
@@ -307,7 +308,12 @@ class Peer:
     def _io_main(self) -> None:
         self._ctx = zmq.Context()
         try:
-            self._connect()
+            try:
+                self._connect()
+            except Exception as e:  # e.g. a malformed endpoint
+                self._start_error = f"cannot connect to {self.endpoint!r}: {e}"
+                self.log.error("cannot connect", endpoint=self.endpoint, error=str(e))
+                return
             while not self._closing:
                 try:
                     self._io_step()
@@ -316,6 +322,8 @@ class Peer:
                     time.sleep(0.05)
             self._goodbye()
         finally:
+            if not self._started.is_set() and self._start_error is None:
+                self._start_error = "the peer was closed before the broker answered"
             if self._sock is not None:
                 self._sock.close()  # LINGER: 0, or 500 ms after _goodbye()
                 self._sock = None
@@ -355,10 +363,11 @@ class Peer:
         t = now + 0.1  # closing/wake-ups are also signalled, this is only a safety net
         if self._state == _DISCONNECTED:
             return min(t, self._reconnect_at)
-        hb = min(self.heartbeat_s, self._broker_hb)
-        t = min(t, self._last_tx + hb, self._last_rx + self._silence_limit())
-        if self._acks:
-            t = min(t, self._next_ack)
+        t = min(t, self._last_rx + self._silence_limit())
+        if self._state == _READY:  # heartbeats and acks go out only when registered
+            t = min(t, self._last_tx + min(self.heartbeat_s, self._broker_hb))
+            if self._acks:
+                t = min(t, self._next_ack)
         return max(t, now)
 
     def _silence_limit(self) -> float:

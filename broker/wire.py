@@ -16,36 +16,37 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import msgpack
 import numpy as np
 
 __all__ = [
-    "PROTOCOL_VERSION",
-    "DEFAULT_MAX_FRAME",
-    "MAX_HEADER_BYTES",
-    "MAX_STR_BYTES",
-    "MAX_DEPTH_C",
-    "DATA_ALIGN",
-    "MAX_NDIM",
     "ARRAY_EXT",
-    "KINDS",
-    "RESERVED_ADDRESSES",
-    "BROKER",
-    "SERVER",
     "BROADCAST",
-    "WireError",
+    "BROKER",
+    "DATA_ALIGN",
+    "DEFAULT_MAX_FRAME",
+    "KINDS",
+    "MAX_DEPTH_C",
+    "MAX_HEADER_BYTES",
+    "MAX_NDIM",
+    "MAX_STR_BYTES",
+    "PROTOCOL_VERSION",
+    "RESERVED_ADDRESSES",
+    "SERVER",
     "Message",
-    "encode",
-    "decode",
-    "encode_header",
-    "decode_header",
-    "header_fields",
-    "encode_body",
-    "decode_body",
+    "WireError",
     "body_digest",
+    "decode",
+    "decode_body",
+    "decode_header",
+    "encode",
+    "encode_body",
+    "encode_header",
+    "header_fields",
 ]
 
 PROTOCOL_VERSION = 1

@@ -20,8 +20,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -102,7 +103,7 @@ class BrokerProc:
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
-    def start(self, timeout: float = START_TIMEOUT) -> "BrokerProc":
+    def start(self, timeout: float = START_TIMEOUT) -> BrokerProc:
         already = len(self.events("broker listening"))
         with open(self.stderr_file, "ab") as err:
             self.proc = subprocess.Popen(
@@ -151,7 +152,7 @@ class BrokerProc:
                 raise AssertionError("the broker did not stop on SIGTERM") from None
         return self.proc.returncode if self.proc is not None else 0
 
-    def restart(self) -> "BrokerProc":
+    def restart(self) -> BrokerProc:
         self.kill()
         return self.start()
 
@@ -209,7 +210,7 @@ class PyProc:
         """The next line for which predicate(line) is true (or whose "event" equals it)."""
         if isinstance(predicate, str):
             want = predicate
-            predicate = lambda r: r.get("event") == want  # noqa: E731
+            predicate = lambda r: r.get("event") == want
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()

@@ -10,8 +10,8 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-
 from conftest import wait_for
+
 from fedbus.broker import wire
 from fedbus.broker.peer import Peer
 from fedbus.broker.wire import Message
@@ -142,8 +142,8 @@ def test_routing_between_server_and_two_client_nodes(transport, tcp_endpoint, ip
         assert echoes[tag] == (cid, host)
     for name, proc in nodes.items():
         want = sorted(t for t, c in expected.items() if c in hosts[name])
-        wait_for(lambda: sorted(r["body"]["tag"] for r in proc.records("recv")
-                                if r["kind"] == "task") == want, 10,
+        wait_for(lambda p=proc, w=want: sorted(r["body"]["tag"] for r in p.records("recv")
+                                               if r["kind"] == "task") == w, 10,
                  message=f"{name} reported exactly its tasks")
 
     # a broadcast reaches each node exactly once
@@ -432,3 +432,44 @@ def test_broker_restart_mid_exchange_delivers_exactly_once(tcp_endpoint, broker_
     assert len(broker.events("node registered", node="worker")) >= 2
     wait_for(lambda: server.unacked_count == 0, 30, message="server resend buffer empty")
     server.close()
+
+
+# ---------------------------------------------------------------------------- logging
+LOGGING_SCRIPT = r"""
+import json, sys
+cfg = json.loads(sys.argv[1])
+from fedbus.broker.log import configure_logging, get_logger
+log = get_logger("broker.test")
+configure_logging(level="info", json_file=cfg["file"], process="first")
+configure_logging(level="debug", json_file=cfg["file"], process="proc-x")  # safe twice
+log.debug("dbg", n=1)
+log.info("hello", data=b"\x00\x01", items=[1, 2])
+try:
+    1 / 0
+except ZeroDivisionError:
+    log.exception("boom")
+configure_logging(level="warning", json_file=cfg["file"], process="proc-x")
+log.info("hidden")
+log.warning("shown", k="v")
+print(json.dumps({"event": "done"}), flush=True)
+"""
+
+
+def test_logging_writes_json_lines_and_plain_console(spawn_py, tmp_path):
+    import json
+
+    path = tmp_path / "logs" / "x.jsonl"
+    proc = spawn_py(LOGGING_SCRIPT, {"file": str(path)}, name="logging")
+    proc.expect("done", timeout=60)
+    assert proc.wait(30) == 0
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["event"] for r in recs] == ["dbg", "hello", "boom", "shown"]  # each once
+    for r in recs:
+        assert r["process"] == "proc-x" and r["logger"] == "fedbus.broker.test"
+        assert r["timestamp"].endswith("Z") and r["level"] in ("debug", "info", "error",
+                                                               "warning")
+    assert recs[1]["items"] == [1, 2] and recs[1]["data"] == repr(b"\x00\x01")
+    assert "ZeroDivisionError" in recs[2]["exception"]
+    # stderr is not a TTY here: plain key=value lines, still structlog
+    err = proc.stderr()
+    assert "event='hello'" in err and "level='warning'" in err and "hidden" not in err

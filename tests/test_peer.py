@@ -6,8 +6,8 @@ import time
 
 import pytest
 import zmq
-
 from conftest import free_port, wait_for
+
 from fedbus.broker import wire
 from fedbus.broker.peer import Peer, PeerError
 from fedbus.broker.wire import Message
@@ -101,7 +101,7 @@ def test_resend_after_reconnect_exactly_once(broker_proc):
     ep = f"tcp://127.0.0.1:{free_port()}"
     hb = 0.2
     broker = broker_proc(ep, heartbeat_s=hb, liveness=3)
-    kw = dict(heartbeat_s=hb, liveness=3, backoff_initial_s=0.2, backoff_max_s=1.0)
+    kw = {"heartbeat_s": hb, "liveness": 3, "backoff_initial_s": 0.2, "backoff_max_s": 1.0}
     server = Peer(ep, "srv", role="server", **kw)
     server.start(60)
     node = Peer(ep, "n1", role="client", addresses=["c0", "c1"], **kw)
@@ -209,6 +209,8 @@ def test_start_fails_cleanly(tcp_endpoint, broker_proc):
     lonely = Peer(f"tcp://127.0.0.1:{free_port()}", "n", role="client", addresses=["c0"])
     with pytest.raises(PeerError, match="no answer"):
         lonely.start(timeout=1.0)
+    with pytest.raises(PeerError, match="cannot connect"):
+        Peer("bogus://nowhere", "n", role="client", addresses=["c0"]).start(30)
     # refused: a second server, a client id already taken
     broker_proc(tcp_endpoint)
     s1 = Peer(tcp_endpoint, "srv1", role="server")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import struct
 
@@ -33,8 +34,8 @@ def same(a, b) -> bool:
     if isinstance(a, dict):
         return (isinstance(b, dict) and list(a) == list(b)
                 and all(same(a[k], b[k]) for k in a))
-    if isinstance(a, float) and a != a:
-        return isinstance(b, float) and b != b
+    if isinstance(a, float) and math.isnan(a):
+        return isinstance(b, float) and math.isnan(b)
     return type(a) is type(b) and a == b
 
 
