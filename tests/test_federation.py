@@ -190,3 +190,16 @@ def test_bad_config_fails_fast_with_the_key_named(tmp_path):
     proc = fedbus("run", str(cfg), "--out", str(tmp_path / "r"), check=False)
     assert proc.returncode == 2
     assert "unknown key federation.roundz" in proc.stderr
+
+
+def test_evicting_clients_to_disk_does_not_change_the_results(tmp_path):
+    # FedProto clients keep local models between rounds: evicting them (one resident
+    # client per node) and restoring must give bit-identical prototypes.
+    base = merged(SMALL, algorithm={"name": "fedproto"}, federation={"rounds": 3})
+    resident, _ = run_federation(tmp_path, base, name="resident")
+    evicted, _ = run_federation(
+        tmp_path, merged(base, launch={"max_resident": 1, "evict_to": "disk"}), name="evicted")
+    a, b = _global_weights(resident), _global_weights(evicted)
+    assert np.array_equal(a["protos"], b["protos"]) and a["protos"].any()
+    assert [r["per_client"] for r in metrics(resident)] == \
+        [r["per_client"] for r in metrics(evicted)]
