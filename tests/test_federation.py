@@ -45,14 +45,14 @@ def test_partial_participation_samples_a_fraction(tmp_path):
 
 def test_async_mode_aggregates_every_buffer(tmp_path):
     cfg = merged(SMALL, federation={"mode": "async", "concurrency": 4, "buffer": 2,
-                                    "rounds": 5, "eval_every": 5})
+                                    "rounds": 5, "eval_every": 5}, train={"epochs": 3})
     run, summary = run_federation(tmp_path, cfg)
     recs = metrics(run)
     assert summary["rounds_completed"] == 5
     assert [r["version"] for r in recs] == [1, 2, 3, 4, 5]  # one line per aggregation
     assert ["acc_mean" in r for r in recs] == [False] * 4 + [True]  # evaluated every 5th
     assert all(r["updates"] == 2 for r in recs)
-    assert summary["final"]["acc_mean"] > 0.15
+    assert summary["final"]["acc_mean"] > 0.2  # chance is 0.1
 
 
 def _straggler_config(late: str) -> dict:
