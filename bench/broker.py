@@ -18,6 +18,11 @@ pre-encoded fedbus messages (frame 0 = header, frame 1 = body) through a middle 
 Same sockets, same frames, same counting; only the middle differs. Cases: a 20 KiB body (a
 10 x 512 float32 prototype set) and a 200 B body. Rates are measured at the receiver from its
 first to its last counted message. MB/s counts header + body bytes (1 MB = 10^6 B).
+
+--curve: the fedbus broker with CurveZMQ off and on (fresh keys in a temp folder; the broker
+allow-lists the two bench nodes), instead of the zmq.proxy baseline; prints the throughput
+ratio on/off (the cost of encryption: every frame is encrypted by the sender, decrypted and
+re-encrypted by the broker, decrypted by the receiver).
 """
 from __future__ import annotations
 
@@ -46,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transport", choices=["tcp", "ipc"], default="tcp",
                         help="tcp (loopback) or ipc (unix sockets in a temp dir)")
     parser.add_argument("--curve", action="store_true",
-                        help="encrypt with CurveZMQ (not implemented yet)")
+                        help="compare the fedbus broker with CurveZMQ on and off")
     parser.add_argument("--cases", default="20KiB,200B",
                         help="comma-separated subset of: " + ", ".join(CASES))
     parser.add_argument("--json", action="store_true", help="also print the results as JSON")
@@ -64,9 +69,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def main_args(args: argparse.Namespace) -> int:
-    if args.curve:
-        print("fedbus bench broker: --curve is not implemented yet", file=sys.stderr)
-        return 2
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     for c in cases:
         if c not in CASES:
@@ -74,9 +76,18 @@ def main_args(args: argparse.Namespace) -> int:
             return 2
     results = []
     tmp = tempfile.mkdtemp(prefix="fedbus-bench-")
+    paths = ("fedbus", "zmq.proxy")
+    if args.curve:
+        from fedbus.broker.auth import write_keypair
+
+        keys = os.path.join(tmp, "keys")
+        write_keypair(keys, "broker", "broker")
+        write_keypair(keys, _ID_SERVER.decode(), "server")
+        write_keypair(keys, _ID_CLIENT.decode(), "client", clients="c0")
+        paths = ("fedbus", "fedbus+curve")
     try:
         for case in cases:
-            for path in ("fedbus", "zmq.proxy"):
+            for path in paths:
                 r = _run_case(path, case, args.seconds, args.transport, tmp)
                 results.append(r)
                 print(f"  {CASES[case]:<40} {path:<10} {r['msg_s']:>10,.0f} msg/s "
@@ -98,11 +109,19 @@ def _print_table(results: list[dict], args) -> None:
               f"{r['msg_bytes']:>11}")
     by = {(r["case"], r["path"]): r for r in results}
     ratios = []
+    curve = []
     for case in dict.fromkeys(r["case"] for r in results):
         f, b = by.get((case, "fedbus")), by.get((case, "zmq.proxy"))
         if f and b and b["msg_s"] > 0:
             ratios.append(f"{case} {f['msg_s'] / b['msg_s']:.2f}")
-    print("ratio fedbus/baseline (msg/s): " + ", ".join(ratios))
+        c = by.get((case, "fedbus+curve"))
+        if f and c and c["msg_s"] > 0:
+            curve.append(f"{case} {c['msg_s'] / f['msg_s']:.2f} "
+                         f"(CURVE costs {f['msg_s'] / c['msg_s']:.2f}x)")
+    if ratios:
+        print("ratio fedbus/baseline (msg/s): " + ", ".join(ratios))
+    if curve:
+        print("ratio CURVE on/off (msg/s): " + ", ".join(curve))
 
 
 # ---------------------------------------------------------------------------- orchestration
@@ -116,6 +135,10 @@ def _endpoints(transport: str, tmp: str, tag: str) -> tuple[str, str]:
     if transport == "ipc":
         return f"ipc://{tmp}/{tag}-front.ipc", f"ipc://{tmp}/{tag}-back.ipc"
     return f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
+
+
+def _keys_dir(tmp: str, path: str) -> list[str]:
+    return [os.path.join(tmp, "keys")] if path == "fedbus+curve" else []
 
 
 def _spawn(*argv: str, stdin=None) -> subprocess.Popen:
@@ -135,24 +158,26 @@ def _run_case(path: str, case: str, seconds: float, transport: str, tmp: str) ->
     front, back = _endpoints(transport, tmp, tag)
     procs: list[subprocess.Popen] = []
     try:
-        if path == "fedbus":
+        if path.startswith("fedbus"):
+            keys = _keys_dir(tmp, path)
             mid = subprocess.Popen(
                 [sys.executable, "-m", "fedbus.launch", "broker", "--bind", front,
-                 "--log-level", "warning"],
+                 "--log-level", "warning",
+                 *(["--curve", "--keys-dir", keys[0]] if keys else [])],
                 stdin=subprocess.DEVNULL)
             recv_ep = send_ep = front
         else:
             mid = _spawn("proxy", front, back)
             recv_ep, send_ep = back, front
         procs.append(mid)
-        if path != "fedbus":
+        if not path.startswith("fedbus"):
             _expect(mid, "ready", "proxy")
-        receiver = _spawn("receiver", path, case, recv_ep, str(seconds))
+        receiver = _spawn("receiver", path, case, recv_ep, str(seconds), *_keys_dir(tmp, path))
         procs.append(receiver)
         _expect(receiver, "ready", "receiver")
-        if path != "fedbus":
+        if not path.startswith("fedbus"):
             _expect(mid, "go", "proxy")
-        sender = _spawn("sender", path, case, send_ep, str(seconds))
+        sender = _spawn("sender", path, case, send_ep, str(seconds), *_keys_dir(tmp, path))
         procs.append(sender)
         _expect(sender, "ready", "sender")
         sent = json.loads(sender.stdout.readline() or "{}")
@@ -252,9 +277,9 @@ def _worker(argv: list[str]) -> int:
     if role == "proxy":
         return _proxy(*argv[1:])
     if role == "receiver":
-        return _receiver(argv[1], argv[2], argv[3], float(argv[4]))
+        return _receiver(argv[1], argv[2], argv[3], float(argv[4]), *argv[5:])
     if role == "sender":
-        return _sender(argv[1], argv[2], argv[3], float(argv[4]))
+        return _sender(argv[1], argv[2], argv[3], float(argv[4]), *argv[5:])
     raise SystemExit(f"unknown bench worker {role!r}")
 
 
@@ -277,7 +302,22 @@ def _proxy(front: str, back: str) -> int:
     return 0
 
 
-def _receiver(path: str, case: str, endpoint: str, seconds: float) -> int:
+def _use_curve(sock, keys: str | None, name: bytes) -> None:
+    """CURVE client options for a bench socket (keys: the temp keys folder, or None)."""
+    if not keys:
+        return
+    import zmq
+
+    from fedbus.broker.auth import load_peer_curve
+
+    c = load_peer_curve(keys, name.decode())
+    sock.setsockopt(zmq.CURVE_SERVERKEY, c.broker_public)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, c.public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, c.secret)
+
+
+def _receiver(path: str, case: str, endpoint: str, seconds: float,
+              keys: str | None = None) -> int:
     import zmq
 
     from fedbus.broker import wire
@@ -288,8 +328,9 @@ def _receiver(path: str, case: str, endpoint: str, seconds: float) -> int:
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
-    if path == "fedbus":
+    if path.startswith("fedbus"):
         s.setsockopt(zmq.IDENTITY, _ID_SERVER)
+        _use_curve(s, keys, _ID_SERVER)
         s.connect(endpoint)
         _register(s, _ID_SERVER.decode(), "server", [])
     else:
@@ -309,7 +350,7 @@ def _receiver(path: str, case: str, endpoint: str, seconds: float) -> int:
     done = False
     clock = time.perf_counter
     while not done and time.monotonic() < deadline:
-        if path == "fedbus" and time.monotonic() >= next_hb:
+        if path.startswith("fedbus") and time.monotonic() >= next_hb:
             _heartbeat(s, _ID_SERVER.decode())
             next_hb = time.monotonic() + 0.5
         if not s.poll(200):
@@ -336,7 +377,7 @@ def _receiver(path: str, case: str, endpoint: str, seconds: float) -> int:
             if t0 is None:
                 t0 = t1
                 n0 = n  # the rate counts what arrives after the first batch
-    if path == "fedbus":
+    if path.startswith("fedbus"):
         _leave(s, _ID_SERVER.decode())
     counted = n - n0 if t0 is not None else 0
     dt = (t1 - t0) if t0 is not None else 0.0
@@ -347,15 +388,16 @@ def _receiver(path: str, case: str, endpoint: str, seconds: float) -> int:
     return 0
 
 
-def _sender(path: str, case: str, endpoint: str, seconds: float) -> int:
+def _sender(path: str, case: str, endpoint: str, seconds: float, keys: str | None = None) -> int:
     import zmq
 
     body, headers, end = _frames(case)
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 5000)
-    if path == "fedbus":
+    if path.startswith("fedbus"):
         s.setsockopt(zmq.IDENTITY, _ID_CLIENT)
+        _use_curve(s, keys, _ID_CLIENT)
         s.connect(endpoint)
         _register(s, _ID_CLIENT.decode(), "client", ["c0"])
     else:
@@ -376,7 +418,7 @@ def _sender(path: str, case: str, endpoint: str, seconds: float) -> int:
             send(payload, copy=copy)
         i += 256
     s.send_multipart(end)
-    if path == "fedbus":
+    if path.startswith("fedbus"):
         _leave(s, _ID_CLIENT.decode())
     print(json.dumps({"n": i, "cpu_s": _cpu_s()}), flush=True)
     s.close()

@@ -119,6 +119,8 @@ class Broker:
     grace_s: after the broker starts, messages to addresses not registered yet are held this
         long (nodes re-register after a broker restart) before they are refused as
         unroutable. Default max(10 s, 4 * heartbeat_s * liveness).
+    curve: an auth.BrokerCurve (keypair + allow-list) to require CurveZMQ on every endpoint;
+        None = plaintext. See PROTOCOL.md §10.
     """
 
     def __init__(
@@ -133,8 +135,6 @@ class Broker:
         max_pending: int = 10_000,
         max_pending_bytes: int = 256 * 1024 * 1024,
     ):
-        if curve is not None:
-            raise NotImplementedError("CURVE encryption is not implemented yet")
         if heartbeat_s <= 0 or liveness < 1:
             raise ValueError("heartbeat_s must be > 0 and liveness >= 1")
         self.heartbeat_s = float(heartbeat_s)
@@ -162,12 +162,26 @@ class Broker:
         binds = [bind] if isinstance(bind, str) else list(bind)
         if not binds:
             raise ValueError("Broker needs at least one endpoint to bind")
+        # CURVE (auth.BrokerCurve): every endpoint of the socket encrypts, and the ZAP handler
+        # admits only allow-listed keys; register() takes identities from their names
+        self.curve = curve
+        self.zap = None
         try:
+            if curve is not None:
+                from .auth import ZAP_DOMAIN, ZapHandler
+
+                self.zap = ZapHandler(self.ctx, curve.allow, watch=self.sock)
+                self.sock.setsockopt(zmq.CURVE_SERVER, 1)
+                self.sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret)
+                self.sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public)
+                self.sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
             for ep in binds:
                 self.sock.bind(ep)
                 self.endpoints.append(self.sock.getsockopt_string(zmq.LAST_ENDPOINT))
         except zmq.ZMQError:
             self.sock.close(0)
+            if self.zap is not None:
+                self.zap.close()
             self.ctx.term()
             raise
 
@@ -203,6 +217,7 @@ class Broker:
         self.log.info(
             "broker listening", endpoints=self.endpoints, heartbeat_s=self.heartbeat_s,
             liveness=self.liveness, max_frame=self.max_frame, grace_s=self.grace_s,
+            curve=curve is not None,
         )
 
     # ------------------------------------------------------------------ main loop
@@ -273,6 +288,9 @@ class Broker:
         self._closed = True
         self._stop = True
         self.log_stats(force=True)
+        if self.zap is not None:
+            self.sock.disable_monitor()
+            self.zap.close()
         self.sock.close(0)
         self.ctx.term()
         self.log.info("broker closed")
@@ -577,6 +595,16 @@ class Broker:
     def register(self, rid: bytes, src: str, body_frame) -> None:
         """Register (or re-register) a node; reply "ready" or "error"."""
         name = rid.decode("utf-8", "replace")
+        entry = None
+        if self.curve is not None:
+            # the identity is the authenticated key's (its ZAP User-Id), not what the node says
+            user = _user_id(body_frame)
+            entry = self.curve.allow.entry(user) if user else None
+            if entry is None:
+                self._register_error(rid, name, "forbidden",
+                                     f"no allow-list entry for this connection's key ({user!r})")
+                return
+            name = user
         try:
             body = wire.decode_body(body_frame, max_frame=self.max_frame)
         except WireError as e:
@@ -584,23 +612,33 @@ class Broker:
             return
         problem = _check_register(body, name, src)
         if problem:
-            self._register_error(rid, name, "bad_register", problem)
+            self._register_error(rid, name, "forbidden" if entry else "bad_register", problem)
             return
         role = body["role"]
         clients = tuple(body.get("clients") or ())
         if role == "server":
             clients = tuple(c for c in clients if c != SERVER)
+        if entry is not None:
+            problem = entry.check(role, clients)
+            if problem:
+                self._register_error(rid, name, "forbidden", problem)
+                return
         run = body.get("run") or ""
         old = self.nodes.get(rid)
+        if old is None and entry is not None:
+            # the same key from a new connection (a restarted node): it replaces the old one
+            prev = self.routes.get(name)
+            if prev is not None and prev.name == name:
+                old = prev
         # conflicts with other live nodes
-        if role == "server" and self.server is not None and self.server.rid != rid:
+        if role == "server" and self.server is not None and self.server is not old:
             self._register_error(rid, name, "conflict",
                                  f"a server is already registered (node {self.server.name!r})")
             return
         taken = []
         for a in (name, *clients):
             owner = self.routes.get(a)
-            if owner is not None and owner.rid != rid and not (a == SERVER and role == "server"):
+            if owner is not None and owner is not old and not (a == SERVER and role == "server"):
                 taken.append(a)
         if taken:
             self._register_error(
@@ -611,6 +649,9 @@ class Broker:
             return
         if old is not None:
             self._drop_routes(old)
+            if old.rid != rid:
+                del self.nodes[old.rid]
+                self.log.warning("node replaced by a new connection with its key", node=name)
         node = Node(name, rid, role, clients, run, self.now)
         if old is not None:
             node.pending, node.pending_bytes = old.pending, old.pending_bytes
@@ -830,6 +871,14 @@ def _buf(frame):
     return b if b is not None else frame
 
 
+def _user_id(frame) -> str | None:
+    """The ZAP User-Id of the connection a received zmq.Frame came from (None if none)."""
+    try:
+        return frame.get("User-Id") or None
+    except (AttributeError, zmq.ZMQError):
+        return None
+
+
 def _check_register(body, name: str, src: str) -> str | None:
     """Why a register body is invalid, or None."""
     if type(body) is not dict:
@@ -838,9 +887,10 @@ def _check_register(body, name: str, src: str) -> str | None:
     if role not in ("server", "client"):
         return f"role must be 'server' or 'client', got {role!r}"
     if body.get("node") != name:
-        return f"body node {body.get('node')!r} differs from the routing id {name!r}"
+        return (f"body node {body.get('node')!r} differs from the node's identity {name!r} "
+                "(its routing id; under CURVE its key's name)")
     if src != name:
-        return f"register src {src!r} differs from the routing id {name!r}"
+        return f"register src {src!r} differs from the node's identity {name!r}"
     if not name or len(name.encode()) > wire.MAX_STR_BYTES:
         return "node name must be 1..255 bytes"
     if role == "client" and name in wire.RESERVED_ADDRESSES:

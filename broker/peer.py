@@ -75,6 +75,8 @@ class Peer:
     role: "server" or "client".
     addresses: the client ids this node hosts (role "client"); the server's address is
         always "server". The node name is an address too.
+    curve: an auth.PeerCurve (this node's keypair and the broker's public key) to encrypt and
+        authenticate with CurveZMQ; None = plaintext. Under CURVE the name must be the key's.
     """
 
     def __init__(
@@ -96,8 +98,6 @@ class Peer:
         max_unacked: int = 100_000,
         max_unacked_bytes: int = 1 << 30,
     ):
-        if curve is not None:
-            raise NotImplementedError("CURVE encryption is not implemented yet")
         if role not in ("server", "client"):
             raise ValueError(f"role must be 'server' or 'client', got {role!r}")
         if not isinstance(name, str) or not name or len(name.encode()) > wire.MAX_STR_BYTES:
@@ -122,6 +122,15 @@ class Peer:
         self.max_unacked = int(max_unacked)
         self.max_unacked_bytes = int(max_unacked_bytes)
         self.inc = random.getrandbits(63) or 1
+        # CURVE (auth.PeerCurve): encrypt, authenticate with this node's key; the routing id
+        # gets a random part the broker binds to the key (see auth.peer_routing_id)
+        self.curve = curve
+        if curve is not None:
+            from .auth import peer_routing_id
+
+            self._rid = peer_routing_id(name)
+        else:
+            self._rid = name.encode()
         self.log = get_logger("peer").bind(node=name)
         self._sources = frozenset(addrs) | {name}
         self._default_src = SERVER if role == "server" else (addrs[0] if len(addrs) == 1 else name)
@@ -185,7 +194,11 @@ class Peer:
         self._thread.start()
         if not self._started.wait(timeout):
             self.close(0)
-            raise PeerError(f"no answer from the broker at {self.endpoint} within {timeout} s")
+            hint = (" (CURVE: is this node's public key in the broker's allow-list, and is the "
+                    "broker key the broker's?)" if self.curve is not None else
+                    " (a broker that requires CURVE answers nothing to a node without keys)")
+            raise PeerError(f"no answer from the broker at {self.endpoint} within {timeout} s"
+                            + hint)
         if self._start_error is not None:
             self.close(0)
             raise PeerError(self._start_error)
@@ -376,7 +389,11 @@ class Peer:
     # -- connection
     def _connect(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, self.name.encode())
+        sock.setsockopt(zmq.IDENTITY, self._rid)
+        if self.curve is not None:
+            sock.setsockopt(zmq.CURVE_SERVERKEY, self.curve.broker_public)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, self.curve.public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, self.curve.secret)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_frame + 4096)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)

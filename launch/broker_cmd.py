@@ -1,7 +1,14 @@
-"""`fedbus broker`: start the message broker (a ROUTER socket; see broker/PROTOCOL.md)."""
+"""`fedbus broker`: start the message broker (a ROUTER socket; see broker/PROTOCOL.md).
+
+CurveZMQ (PROTOCOL.md §10, SECURITY.md) is on whenever an endpoint is not loopback/ipc (the
+default tcp://0.0.0.0:5555 included): the broker then needs its keypair and an allow-list,
+`fedbus keygen broker` etc. in ./keys (or --keys-dir). --curve forces it on loopback too;
+--insecure forces plaintext, with a loud warning on exposed endpoints.
+"""
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import threading
 
@@ -22,6 +29,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grace-s", type=float, default=None,
                         help="after start, hold messages for not-yet-registered addresses this "
                              "long (default max(10, 4 x heartbeat x liveness))")
+    parser.add_argument("--curve", action="store_true",
+                        help="require CurveZMQ on every endpoint (default: on when an endpoint "
+                             "is not loopback/ipc)")
+    parser.add_argument("--insecure", action="store_true",
+                        help="plaintext even on a non-loopback endpoint (anyone who reaches "
+                             "the port can join, read and forge traffic)")
+    parser.add_argument("--keys-dir", default=None,
+                        help="CurveZMQ keys folder holding BROKER.key_secret (default: "
+                             "$FEDBUS_KEYS_DIR or ./keys); see `fedbus keygen`")
+    parser.add_argument("--key", default="broker",
+                        help="the broker's key name in --keys-dir (default broker)")
+    parser.add_argument("--allow-dir", default=None,
+                        help="allow-list folder of node public keys (*.key; default --keys-dir)")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"],
                         help="log level (debug logs one line per routed message)")
@@ -29,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from fedbus.broker.auth import AuthError, is_loopback, load_broker_curve
     from fedbus.broker.broker import Broker
     from fedbus.broker.log import configure_logging, get_logger
 
@@ -36,9 +57,29 @@ def main(args: argparse.Namespace) -> int:
     log = get_logger("broker.cli")
     binds = args.bind or [DEFAULT_BIND]
     max_frame = int(args.max_frame_mb * 1024 * 1024)
+    curve = None
+    exposed = [ep for ep in binds if not is_loopback(ep)]
+    if args.curve and args.insecure:
+        log.error("--curve and --insecure contradict each other")
+        return 2
+    if args.curve or (exposed and not args.insecure):
+        keys_dir = args.keys_dir or os.environ.get("FEDBUS_KEYS_DIR", "keys")
+        try:
+            curve = load_broker_curve(keys_dir, name=args.key, allow_dir=args.allow_dir)
+        except AuthError as e:
+            why = "--curve" if args.curve else f"endpoint(s) {exposed} are not loopback"
+            log.error("CurveZMQ keys needed (" + why + "): " + str(e) + ". Create them "
+                      "(fedbus keygen, SECURITY.md) or pass --insecure to run in plaintext",
+                      keys_dir=keys_dir)
+            return 2
+    elif exposed:
+        log.warning("!!! INSECURE: CurveZMQ is OFF on non-loopback endpoints: anyone who can "
+                    "reach them can register as a node, read every prototype and forge updates."
+                    " Use this only on a trusted private network (SECURITY.md) !!!",
+                    endpoints=exposed)
     try:
         broker = Broker(binds, heartbeat_s=args.heartbeat_s, liveness=args.liveness,
-                        max_frame=max_frame, grace_s=args.grace_s)
+                        max_frame=max_frame, grace_s=args.grace_s, curve=curve)
     except Exception as e:  # a bad endpoint, a port in use, ...
         log.error("broker failed to start", endpoints=binds, error=f"{type(e).__name__}: {e}")
         return 1

@@ -15,6 +15,7 @@ import sys
 
 from fedbus.launch.common import add_log_arguments, setup_logging
 from fedbus.launch.devices import parse_ids
+from fedbus.launch.keygen_cmd import add_peer_curve_arguments, peer_curve_from_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,6 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--liveness", type=int, default=3)
     p.add_argument("--message-log-dir", default=None,
                    help="where to write this node's message log when log.client_messages")
+    add_peer_curve_arguments(p)
     add_log_arguments(p)
 
 
@@ -55,7 +57,18 @@ def resolve_device(spec: str) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    name = args.name or f"{socket.gethostname()}-{os.getpid()}"
+    from fedbus.broker.auth import AuthError
+
+    try:  # under CURVE the node's name is its key's
+        curve = peer_curve_from_args(args, default_key=args.name)
+    except AuthError as err:
+        print(f"fedbus node: {err}", file=sys.stderr)
+        return 2
+    if curve is not None and args.name and args.name != curve.name:
+        print(f"fedbus node: --name {args.name} differs from the key's name {curve.name}",
+              file=sys.stderr)
+        return 2
+    name = curve.name if curve else args.name or f"{socket.gethostname()}-{os.getpid()}"
     setup_logging(args, name)
     try:
         clients = parse_ids(args.clients)
@@ -68,5 +81,5 @@ def main(args: argparse.Namespace) -> int:
     node = ClientNode(args.broker, clients, name=name, device=device,
                       max_resident=args.max_resident, evict_to=args.evict_to,
                       heartbeat_s=args.heartbeat_s, liveness=args.liveness,
-                      spool_dir=args.spool_dir, log_dir=args.message_log_dir)
+                      spool_dir=args.spool_dir, log_dir=args.message_log_dir, curve=curve)
     return node.serve()

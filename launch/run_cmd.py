@@ -136,15 +136,24 @@ def main(args: argparse.Namespace) -> int:
 
     fed = Federation(run_dir, level)
     hb = ["--heartbeat-s", str(cfg.bus.heartbeat_s), "--liveness", str(cfg.bus.liveness)]
+    keys: list[str] = []
+    if cfg.bus.curve:
+        try:
+            keys = ["--keys-dir", str(run_keys(cfg, run_dir, groups))]
+        except (ValueError, OSError) as err:
+            print(f"fedbus run: CurveZMQ keys: {err}", file=sys.stderr)
+            return 2
     try:
         if not cfg.bus.broker:
             fed.spawn("broker", ["broker", "--bind", address, *hb,
-                                 "--max-frame-mb", str(cfg.bus.max_frame_mb)])
+                                 "--max-frame-mb", str(cfg.bus.max_frame_mb),
+                                 *(["--curve", *keys] if keys else [])])
         fed.spawn("server", ["server", "--broker", address, str(run_dir / "config.json"),
-                             "--out", str(run_dir)])
+                             "--out", str(run_dir), *keys])
         for i, (ids, place) in enumerate(zip(groups, placements)):
             fed.spawn(f"node-{i}", ["node", "--broker", address, "--clients", format_ids(ids),
-                                    "--device", place.device, "--name", f"node-{i}", *hb],
+                                    "--device", place.device, "--name", f"node-{i}", *hb,
+                                    *keys],
                       env=place.env, essential=not args.keep_going)
         say(f"fedbus run: {cfg.algorithm.name} on {cfg.data.dataset}, "
             f"{cfg.federation.clients} clients in {len(groups)} node(s) "
@@ -156,6 +165,26 @@ def main(args: argparse.Namespace) -> int:
         return 130
     finally:
         fed.stop()
+
+
+def run_keys(cfg, run_dir: Path, groups: list[list[int]]) -> Path:
+    """[bus] curve: the keys folder of a local run. bus.keys_dir when set (it must hold
+    broker, server and node-I keys); else fresh keys in RUN/keys, node-I allowed its group."""
+    if cfg.bus.keys_dir:
+        return Path(cfg.bus.keys_dir)
+    if cfg.bus.broker:
+        raise ValueError("bus.curve with an external bus.broker needs bus.keys_dir (the keys "
+                         "that broker allow-lists)")
+    from fedbus.broker.auth import format_addresses, write_keypair
+    from fedbus.node.engine import client_address
+
+    keys = run_dir / "keys"
+    write_keypair(keys, "broker", "broker", force=True)
+    write_keypair(keys, "server", "server", force=True)
+    for i, ids in enumerate(groups):
+        write_keypair(keys, f"node-{i}", "client", force=True,
+                      clients=format_addresses([client_address(c) for c in ids]))
+    return keys
 
 
 def supervise(fed: Federation, run_dir: Path, cfg, *, quiet: bool, say) -> int:
@@ -171,6 +200,8 @@ def supervise(fed: Federation, run_dir: Path, cfg, *, quiet: bool, say) -> int:
                 if child.name in reported:
                     continue
                 reported.add(child.name)
+                if child.proc.returncode == 0:
+                    continue  # a node leaves cleanly on the server's shutdown message
                 if child.essential:
                     progress.stop()
                     print(f"fedbus run: {child.name} exited with code {child.proc.returncode}; "

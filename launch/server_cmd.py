@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from fedbus.launch.common import add_config_arguments, add_log_arguments, setup_logging
+from fedbus.launch.keygen_cmd import add_peer_curve_arguments, peer_curve_from_args
 from fedbus.node.config import ConfigError, build_config, load_config
 
 
@@ -20,6 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="run directory (default runs/DATE-ALGORITHM)")
     p.add_argument("--resume", default=None, metavar="RUN_DIR",
                    help="continue the run in RUN_DIR from its last checkpoint")
+    add_peer_curve_arguments(p)
     add_log_arguments(p)
 
 
@@ -56,10 +58,17 @@ def main(args: argparse.Namespace) -> int:
         args.log_file = str(run_dir / "logs" / "server.jsonl")
     args.log_level = args.log_level if args.log_level != "info" else cfg.log.level
     setup_logging(args, "server")
+    from fedbus.broker.auth import AuthError
     from fedbus.node.server import ServerNode
 
     try:
-        server = ServerNode(cfg, run_dir, args.broker, resume=bool(args.resume))
+        curve = peer_curve_from_args(args, default_key="server", config_curve=cfg.bus.curve,
+                                     config_keys_dir=cfg.bus.keys_dir)
+    except AuthError as err:
+        print(f"fedbus server: {err}", file=sys.stderr)
+        return 2
+    try:
+        server = ServerNode(cfg, run_dir, args.broker, resume=bool(args.resume), curve=curve)
     except ConfigError as err:
         print(f"fedbus server: config error: {err}", file=sys.stderr)
         return 2

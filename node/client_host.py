@@ -107,8 +107,10 @@ class ClientNode:
     def __init__(self, broker: str, clients: list[int], *, name: str, device: str = "cpu",
                  cfg: Config | None = None, max_resident: int | None = None,
                  evict_to: str | None = None, heartbeat_s: float = 1.0, liveness: int = 3,
-                 spool_dir: str | Path | None = None, log_dir: str | Path | None = None):
+                 spool_dir: str | Path | None = None, log_dir: str | Path | None = None,
+                 curve=None):
         self.broker = broker
+        self.curve = curve  # fedbus.broker.auth.PeerCurve, or None for plaintext
         self.clients = clients
         self.name = name
         self.device = torch.device(device)
@@ -128,6 +130,7 @@ class ClientNode:
     def configure(self, run_id: str, raw: dict[str, Any]) -> None:
         if self.pool is None or run_id != self.run_id:  # else the server re-registered
             self._build(run_id, build_config(raw))
+        self.peer.run = run_id  # updates carry the run id; the server checks it
         self.peer.send("config", SERVER, {"node": self.name, "run": run_id},
                        src=client_address(self.clients[0]))
 
@@ -154,7 +157,8 @@ class ClientNode:
     def serve(self) -> int:
         self.peer = peer = Peer(self.broker, self.name, role="client",
                                 addresses=[client_address(c) for c in self.clients],
-                                heartbeat_s=self.heartbeat_s, liveness=self.liveness)
+                                heartbeat_s=self.heartbeat_s, liveness=self.liveness,
+                                curve=self.curve)
         peer.start()
         log.info("node ready", node=self.name, clients=len(self.clients), device=str(self.device))
         try:

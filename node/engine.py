@@ -367,12 +367,17 @@ class Engine:
         self.events.append({"event": "task_failed", "client": task.client, "task": task_id})
         return self._progress(now)
 
-    def is_expected_update(self, src: str, body: dict[str, Any]) -> str | None:
-        """Why an update must be rejected before any handler sees it, or None."""
+    def is_expected_update(self, src: str, body: dict[str, Any], *, run: str | None = None,
+                           round: int | None = None) -> str | None:
+        """Why an update must be rejected before any handler sees it, or None: it must answer
+        an outstanding task of this run (its header's run id and round, when given, too) sent
+        to this client, once (the task is gone after the first accepted answer)."""
         try:
             client = client_index(src)
         except ValueError:
             return f"sender {src!r} is not a client"
+        if run is not None and run != self.run_id:
+            return f"run {run!r} is not this server's run {self.run_id!r}"
         task = self.tasks.get(body.get("task")) if isinstance(body.get("task"), int) else None
         if task is None:
             return f"task {body.get('task')!r} is not outstanding"
@@ -380,6 +385,8 @@ class Engine:
             return f"task {task.id} was sent to c{task.client}, not {src}"
         if body.get("version") != task.version:
             return f"version {body.get('version')!r} does not match task {task.id}"
+        if round is not None and round != task.round:
+            return f"round {round} does not match task {task.id} (round {task.round})"
         return None
 
     def _weighted(self, upd: ClientUpdate) -> ClientUpdate:

@@ -65,12 +65,15 @@ def dispatch(engine: Engine, msg: Message, now: float) -> list[Out]:
             return engine.on_join(node, clients, now)
         return engine.on_leave(node, clients, now)
     if kind == "update":
-        reason = engine.is_expected_update(msg.src, body if isinstance(body, dict) else {})
+        reason = engine.is_expected_update(msg.src, body if isinstance(body, dict) else {},
+                                           run=msg.run, round=msg.round)
         if reason is None:
             try:
                 check_update(body, engine.handler.update_spec(),
                              num_classes=engine.handler.ctx.num_classes,
-                             max_samples=engine.max_samples(client_index(msg.src)))
+                             max_samples=engine.max_samples(client_index(msg.src)),
+                             max_bytes=int(engine.cfg.bus.max_frame_mb) << 20,
+                             nbytes=msg.nbytes)
             except Rejected as err:
                 reason = str(err)
         if reason is not None:
@@ -97,8 +100,9 @@ def dispatch(engine: Engine, msg: Message, now: float) -> list[Out]:
 
 class ServerNode:
     def __init__(self, cfg: Config, run_dir: str | Path, broker: str, *, resume: bool = False,
-                 run_id: str | None = None):
+                 run_id: str | None = None, curve=None):
         self.cfg = cfg
+        self.curve = curve  # fedbus.broker.auth.PeerCurve, or None for plaintext
         self.resume = resume
         self.run = RunDir(run_dir, resume=resume)
         self.run_id = self._run_id(run_id)
@@ -144,9 +148,9 @@ class ServerNode:
         if self.resume:
             self._restore()
         self._describe_models()
-        peer = Peer(self.broker, SERVER, role="server", run=self.run_id,
-                    heartbeat_s=cfg.bus.heartbeat_s, liveness=cfg.bus.liveness,
-                    max_frame=cfg.bus.max_frame_mb << 20)
+        peer = Peer(self.broker, self.curve.name if self.curve else SERVER, role="server",
+                    run=self.run_id, heartbeat_s=cfg.bus.heartbeat_s, liveness=cfg.bus.liveness,
+                    max_frame=cfg.bus.max_frame_mb << 20, curve=self.curve)
         peer.start()
         log.info("server ready", run=self.run_id, algorithm=cfg.algorithm.name,
                  mode=cfg.federation.mode, clients=cfg.federation.clients,

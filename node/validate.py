@@ -57,7 +57,15 @@ def _lookup(payload: Mapping[str, Any], path: tuple[str, ...]) -> Any:
 
 
 def check_update(body: Any, spec: Mapping[str, Any], *,
-                 num_classes: int, max_samples: int) -> None:
+                 num_classes: int, max_samples: int, max_bytes: int | None = None,
+                 nbytes: int = 0) -> None:
+    """Raise Rejected with the reason if an update body is not acceptable.
+
+    max_bytes: the size cap (the bus's max_frame): the message (nbytes, header + body) and
+    the arrays of its payload must both stay under it.
+    """
+    if max_bytes is not None and nbytes > max_bytes:
+        raise Rejected(f"update of {nbytes} bytes exceeds the {max_bytes}-byte cap")
     if not isinstance(body, Mapping):
         raise Rejected(f"update body must be a map, got {type(body).__name__}")
     for key in ("task", "version", "num_samples", "work", "payload"):
@@ -85,9 +93,13 @@ def check_update(body: Any, spec: Mapping[str, Any], *,
                 want is not None and got != want for got, want in zip(arr.shape, shape)):
             raise Rejected(f"{name} has shape {tuple(arr.shape)}, expected "
                            f"{tuple('*' if s is None else s for s in shape)}")
+    total = 0
     for path, arr in _walk_arrays(payload):
+        total += arr.nbytes
         if arr.dtype.kind in "fc" and not np.isfinite(arr).all():
             raise Rejected(f"{path} contains NaN or Inf")
+    if max_bytes is not None and total > max_bytes:
+        raise Rejected(f"payload arrays of {total} bytes exceed the {max_bytes}-byte cap")
     counts = payload.get("counts")
     if isinstance(counts, np.ndarray) and counts.size:
         if counts.dtype.kind not in "iu":

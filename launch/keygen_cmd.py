@@ -1,0 +1,128 @@
+"""`fedbus keygen`: write a CurveZMQ keypair (and its allow-list entry). See SECURITY.md.
+
+    fedbus keygen broker                                   # the broker's keypair
+    fedbus keygen server                                   # the server node's
+    fedbus keygen node-a --clients 0-49                    # a client node hosting c0..c49
+    fedbus keygen --list                                   # what a keys folder holds
+
+Each writes DIR/NAME.key (public certificate: key, role, clients; it is the node's allow-list
+entry at the broker, and broker.key is what every node needs of the broker) and
+DIR/NAME.key_secret (mode 0600; stays on the machine that runs NAME).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_KEYS_DIR = os.environ.get("FEDBUS_KEYS_DIR", "keys")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", nargs="?", default=None,
+                   help="key name = the node's name (broker, server, node-a, ...)")
+    p.add_argument("--role", choices=["broker", "server", "client"], default=None,
+                   help="default: broker for NAME broker, server for NAME server, else client")
+    p.add_argument("--clients", default=None,
+                   help="client ids a client node may host: 0-99 or 0,3,7-9 (clients only)")
+    p.add_argument("--addresses", default=None,
+                   help="raw address set instead of --clients, e.g. 'c0-99,c200'")
+    p.add_argument("--dir", default=DEFAULT_KEYS_DIR,
+                   help=f"keys folder (default {DEFAULT_KEYS_DIR}; env FEDBUS_KEYS_DIR)")
+    p.add_argument("--force", action="store_true", help="replace an existing keypair")
+    p.add_argument("--list", action="store_true",
+                   help="list the certificates in --dir (name, role, clients, public key)")
+
+
+def _list(directory: Path) -> int:
+    from fedbus.broker.auth import PUBLIC_SUFFIX, SECRET_SUFFIX, AuthError, read_certificate
+
+    if not directory.is_dir():
+        print(f"fedbus keygen: {directory} does not exist", file=sys.stderr)
+        return 2
+    rows = []
+    for path in sorted(directory.iterdir()):
+        if not path.name.endswith((PUBLIC_SUFFIX, SECRET_SUFFIX)):
+            continue
+        try:
+            c = read_certificate(path)
+        except AuthError as e:
+            rows.append((path.name, "?", "", str(e)))
+            continue
+        kind = "secret" if c.secret is not None else "public"
+        rows.append((path.name, c.role, c.clients, f"{kind} {c.public.decode()}"))
+    for name, role, clients, key in rows:
+        print(f"{name:<28} {role:<7} {clients or '-':<24} {key}")
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    from fedbus.broker.auth import AuthError, format_addresses, write_keypair
+
+    directory = Path(args.dir)
+    if args.list:
+        return _list(directory)
+    if not args.name:
+        print("fedbus keygen: give a NAME (or --list)", file=sys.stderr)
+        return 2
+    role = args.role or {"broker": "broker", "server": "server"}.get(args.name, "client")
+    clients = ""
+    if args.clients is not None or args.addresses is not None:
+        if role != "client":
+            print(f"fedbus keygen: a {role} key lists no clients", file=sys.stderr)
+            return 2
+        if args.addresses is not None:
+            clients = args.addresses
+        else:
+            from fedbus.launch.devices import parse_ids
+            from fedbus.node.engine import client_address
+
+            try:
+                clients = format_addresses([client_address(i) for i in parse_ids(args.clients)])
+            except ValueError as e:
+                print(f"fedbus keygen: {e}", file=sys.stderr)
+                return 2
+    elif role == "client":
+        print("fedbus keygen: a client key needs --clients (the client ids its node may host)",
+              file=sys.stderr)
+        return 2
+    try:
+        pub, sec = write_keypair(directory, args.name, role, clients=clients, force=args.force)
+    except (AuthError, OSError) as e:
+        print(f"fedbus keygen: {e}", file=sys.stderr)
+        return 2
+    use = "every node needs it" if role == "broker" else "it goes in the broker's allow-list"
+    print(f"wrote {pub} (public: {use})")
+    print(f"wrote {sec} (SECRET, mode 0600: keep it on the {role}'s machine only)")
+    if role == "client":
+        print(f"  role client, may host: {clients}")
+    return 0
+
+
+# --------------------------------------------------------------------------- for node commands
+def add_peer_curve_arguments(p: argparse.ArgumentParser) -> None:
+    """--curve/--keys-dir/--key/--broker-key for the commands that start a node's Peer."""
+    p.add_argument("--curve", action="store_true",
+                   help="encrypt and authenticate with CurveZMQ (keys from --keys-dir)")
+    p.add_argument("--keys-dir", default=None,
+                   help="CurveZMQ keys folder with this node's NAME.key_secret and the broker's "
+                        "broker.key (implies --curve; default $FEDBUS_KEYS_DIR or ./keys)")
+    p.add_argument("--key", default=None,
+                   help="this node's key name, which is also its node name (default: --name, "
+                        "else the only node key in --keys-dir)")
+    p.add_argument("--broker-key", default=None,
+                   help="the broker's public certificate (default KEYS_DIR/broker.key)")
+
+
+def peer_curve_from_args(args: argparse.Namespace, *, default_key: str | None = None,
+                         config_curve: bool = False, config_keys_dir: str = ""):
+    """The PeerCurve the options (or the config's [bus] curve/keys_dir) ask for, or None for
+    plaintext. Raises fedbus.broker.auth.AuthError with what to do when keys are missing."""
+    from fedbus.broker.auth import find_node_key, load_peer_curve
+
+    if not (args.curve or args.keys_dir or config_curve):
+        return None
+    keys_dir = args.keys_dir or config_keys_dir or DEFAULT_KEYS_DIR
+    name = args.key or default_key or find_node_key(keys_dir)
+    return load_peer_curve(keys_dir, name, broker_key=args.broker_key)

@@ -1,0 +1,347 @@
+"""Update validation at the server (issue #7, item 2), and a run with client-side privacy.
+
+Unit level: a real engine and FedProto handler built from a small config; every rule of
+Engine.is_expected_update and node/validate.check_update rejects its bad update through the
+server's own `dispatch` (an "error" with code "rejected" and the reason goes back, the
+`rejected` counter grows, the task stays outstanding, nothing reaches the handler), and the
+round still closes with the good updates.
+
+Federation level: broker, server and an honest node as real processes, plus a hostile client
+node (a Peer hosting c4) that answers its tasks with bad updates: the run completes, the
+hostile node gets an error with the reason for each, summary.json counts them. The honest
+clients run with privacy.clip_norm/noise_sigma/withhold_counts set (item 3): their logged
+uploads are checked to be protected.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import numpy as np
+import pytest
+from helpers import SMALL, Processes, free_port, merged, metrics, wait_until, write_config
+
+from fedbus.broker import wire
+from fedbus.broker.wire import Message
+from fedbus.node.config import build_config
+from fedbus.node.server import build_engine, dispatch
+from fedbus.node.validate import Rejected, check_update
+
+RUN = "run-val"
+
+
+def _config(**changes):
+    sections = merged(SMALL, federation={"clients": 2, "rounds": 1, "seed": 3},
+                      algorithm={"name": "fedproto"}, bus={"max_frame_mb": 1}, **changes)
+    return build_config(sections)
+
+
+@pytest.fixture(scope="module")
+def engine_factory():
+    cfg = _config()
+
+    def make():
+        engine = build_engine(cfg, RUN)
+        outs = engine.on_join("node-0", ["c0", "c1"], 0.0)
+        assert outs[0].kind == "config"
+        outs = engine.on_configured("node-0", RUN, 0.0)
+        tasks = {o.dst: o for o in outs if o.kind == "task"}
+        assert set(tasks) == {"c0", "c1"}
+        return engine, tasks
+
+    return make
+
+
+def _received(kind, src, body, *, run=RUN, round=0, seq=1):
+    """A message as the server's Peer hands it over: encoded, then decoded (read-only views)."""
+    m = Message(kind, src, "server", body, run=run, round=round, seq=seq, inc=7, ts=0.0)
+    return wire.decode(wire.encode(m), max_frame=4 << 20)
+
+
+def _good(engine, task_out, client: int) -> dict:
+    spec = engine.handler.update_spec()
+    (_, pshape), (_, cshape) = spec["protos"], spec["counts"]
+    protos = np.zeros(pshape, np.float32)
+    counts = np.zeros(cshape, np.int64)
+    protos[1] = 0.5
+    counts[1] = 3
+    return {"task": task_out.body["task"], "version": task_out.body["version"],
+            "num_samples": 5, "work": {"epochs_asked": 1, "epochs_done": 1.0, "steps": 2,
+                                       "samples": 5},
+            "payload": {"protos": protos, "counts": counts}, "train_s": 0.1}
+
+
+def _with(body: dict, path: str, value) -> dict:
+    """A copy of body with one (dotted) field replaced; value None deletes it."""
+    out = json.loads(json.dumps({k: v for k, v in body.items() if k != "payload"}))
+    out["payload"] = dict(body["payload"])
+    node = out
+    parts = path.split(".")
+    for p in parts[:-1]:
+        node = node[p]
+    if value is _DELETE:
+        del node[parts[-1]]
+    else:
+        node[parts[-1]] = value
+    return out
+
+
+_DELETE = object()
+
+
+def _cases(engine, tasks):
+    """(name, src, body, header overrides, expected reason fragment) for every rule."""
+    good = _good(engine, tasks["c0"], 0)
+    spec = engine.handler.update_spec()
+    _, pshape = spec["protos"]
+    c, d = pshape
+    nan = np.zeros(pshape, np.float32)
+    nan[2, 3] = np.nan
+    inf = np.zeros(pshape, np.float32)
+    inf[0, 0] = -np.inf
+    other = tasks["c1"].body["task"]
+    return [
+        ("body not a map", "c0", [1, 2, 3], {}, "not outstanding"),
+        ("unknown task", "c0", {**good, "task": 999}, {}, "task 999 is not outstanding"),
+        ("task id not an int", "c0", {**good, "task": "1"}, {}, "is not outstanding"),
+        ("another client's task", "c0", {**good, "task": other}, {}, f"task {other} was sent to c1"),
+        ("wrong version", "c0", {**good, "version": 5}, {}, "version 5 does not match"),
+        ("wrong run id", "c0", good, {"run": "someone-else"}, "is not this server's run"),
+        ("wrong round", "c0", good, {"round": 4}, "round 4 does not match"),
+        ("sender not a client", "node-0", good, {}, "is not a client"),
+        ("no payload", "c0", _with(good, "payload", _DELETE), {}, "lacks 'payload'"),
+        ("no work", "c0", _with(good, "work", _DELETE), {}, "lacks 'work'"),
+        ("work field missing", "c0", _with(good, "work.steps", _DELETE), {}, "work lacks 'steps'"),
+        ("work negative", "c0", _with(good, "work.samples", -1), {}, "work.samples = -1"),
+        ("work NaN", "c0", _with(good, "work.epochs_done", math.nan), {}, "work.epochs_done"),
+        ("num_samples negative", "c0", {**good, "num_samples": -3}, {}, "num_samples = -3"),
+        ("num_samples implausible", "c0", {**good, "num_samples": 10**9}, {}, "out of range"),
+        ("num_samples not a number", "c0", {**good, "num_samples": "5"}, {}, "must be a number"),
+        ("num_samples a bool", "c0", {**good, "num_samples": True}, {}, "must be a number"),
+        ("payload not a map", "c0", {**good, "payload": [1]}, {}, "payload must be a map"),
+        ("protos missing", "c0", _with(good, "payload.protos", _DELETE), {}, "lacks 'protos'"),
+        ("protos not an array", "c0", _with(good, "payload.protos", [[0.0] * d] * c), {},
+         "protos must be an array"),
+        ("protos wrong dtype", "c0",
+         _with(good, "payload.protos", np.zeros(pshape, np.float64)), {}, "has dtype float64"),
+        ("protos wrong shape", "c0",
+         _with(good, "payload.protos", np.zeros((c, d + 1), np.float32)), {}, "has shape"),
+        ("protos wrong rank", "c0",
+         _with(good, "payload.protos", np.zeros((c * d,), np.float32)), {}, "has shape"),
+        ("protos NaN", "c0", _with(good, "payload.protos", nan), {}, "NaN or Inf"),
+        ("protos Inf", "c0", _with(good, "payload.protos", inf), {}, "NaN or Inf"),
+        ("counts wrong dtype", "c0",
+         _with(good, "payload.counts", np.zeros(c, np.float32)), {}, "has dtype float32"),
+        ("counts negative", "c0",
+         _with(good, "payload.counts", np.array([-1] + [0] * (c - 1), np.int64)), {},
+         "counts must be non-negative"),
+        ("counts implausible", "c0",
+         _with(good, "payload.counts", np.full(c, 10**6, np.int64)), {}, "counts sum to"),
+        ("class ids out of range", "c0",
+         _with(good, "payload.classes", np.array([0, c], np.int64)), {},
+         f"class ids must lie in [0, {c})"),
+        ("class ids negative", "c0",
+         _with(good, "payload.classes", np.array([-1], np.int64)), {}, "class ids must lie"),
+        ("NaN in an extra list", "c0", _with(good, "payload.extra", [1.0, math.inf]), {},
+         "payload.extra[1] is inf"),
+        ("over the size cap", "c0",
+         _with(good, "payload.pad", np.zeros(1 << 20, np.uint8)), {}, "-byte cap"),
+    ]
+
+
+def test_every_rule_rejects_its_update_and_the_round_still_closes(engine_factory):
+    engine, tasks = engine_factory()
+    before = {k: np.array(v, copy=True) for k, v in engine.handler.state_dict().items()}
+    seq = 0
+    cases = _cases(engine, tasks)
+    assert len(cases) >= 30
+    for name, src, body, hdr, fragment in cases:
+        seq += 1
+        msg = _received("update", src, body, seq=seq, **hdr)
+        outs = dispatch(engine, msg, 1.0)
+        assert len(outs) == 1, name
+        err = outs[0]
+        assert (err.kind, err.dst, err.body["code"]) == ("error", src, "rejected"), name
+        assert fragment in err.body["reason"], (name, err.body["reason"])
+        assert engine.totals["rejected"] == seq, name
+        assert engine.events[-1] == {"event": "rejected", "src": src,
+                                     "reason": err.body["reason"]}, name
+    # nothing reached the handler and both tasks are still outstanding
+    assert engine.version == 0 and engine.round is not None and not engine.round.updates
+    assert sorted(t.client for t in engine.tasks.values()) == [0, 1]
+    for k, v in engine.handler.state_dict().items():
+        assert np.array_equal(v, before[k]), k
+    # the honest updates go through; a second copy of one (a replay) is rejected
+    seq += 1
+    assert dispatch(engine, _received("update", "c0", _good(engine, tasks["c0"], 0), seq=seq),
+                    2.0) == []
+    seq += 1
+    dup = dispatch(engine, _received("update", "c0", _good(engine, tasks["c0"], 0), seq=seq),
+                   2.0)
+    assert dup[0].body["code"] == "rejected" and "not outstanding" in dup[0].body["reason"]
+    seq += 1
+    outs = dispatch(engine, _received("update", "c1", _good(engine, tasks["c1"], 1), seq=seq),
+                    3.0)
+    assert engine.version == 1  # the round closed (its evaluation follows)
+    assert {o.kind for o in outs} == {"eval"}
+    rec = next(iter(engine.evals.values())).record
+    assert rec["participants"] == [0, 1] and rec["updates"] == 2
+    assert engine.totals["rejected"] == len(cases) + 1
+    assert bool(engine.handler.state_dict()["has"][1])  # the good prototypes were aggregated
+
+
+def test_size_cap_on_payload_arrays_and_on_the_message():
+    spec = {"protos": ("float32", (2, 3))}
+    body = {"task": 1, "version": 0, "num_samples": 1,
+            "work": {"epochs_asked": 1, "epochs_done": 1, "steps": 1, "samples": 1},
+            "payload": {"protos": np.zeros((2, 3), np.float32),
+                        "extra": np.zeros(100, np.float64)}}
+    check_update(body, spec, num_classes=2, max_samples=10, max_bytes=1000, nbytes=900)
+    with pytest.raises(Rejected, match="payload arrays of 824 bytes exceed the 800-byte cap"):
+        check_update(body, spec, num_classes=2, max_samples=10, max_bytes=800, nbytes=700)
+    with pytest.raises(Rejected, match="update of 1200 bytes exceeds the 1000-byte cap"):
+        check_update(body, spec, num_classes=2, max_samples=10, max_bytes=1000, nbytes=1200)
+
+
+# --------------------------------------------------------------------------- a real federation
+HOSTILE = r'''
+import json, sys, time
+import numpy as np
+from fedbus.broker.peer import Peer
+
+cfg = json.loads(sys.argv[1])
+out = lambda **kw: print(json.dumps(kw), flush=True)
+peer = Peer(cfg["broker"], "evil", role="client", addresses=["c4"], heartbeat_s=0.3, liveness=4)
+peer.start(60)
+out(event="ready")
+run = ""
+sent = 0
+answered = set()
+deadline = time.time() + 240
+while time.time() < deadline:
+    m = peer.recv(timeout=0.5)
+    if m is None:
+        continue
+    if m.kind == "config":
+        run = m.body["run"]
+        peer.run = run
+        peer.send("config", "server", {"node": "evil", "run": run}, src="c4")
+    elif m.kind == "task" and m.body["task"] not in answered:
+        t = m.body
+        answered.add(t["task"])
+        c, d = cfg["c"], cfg["d"]
+        def upd(**kw):
+            body = {"task": t["task"], "version": t["version"], "num_samples": 5,
+                    "work": {"epochs_asked": 1, "epochs_done": 1.0, "steps": 1, "samples": 5},
+                    "payload": {"protos": np.zeros((c, d), np.float32),
+                                "counts": np.zeros(c, np.int64)}}
+            body["payload"].update(kw.pop("payload", {}))
+            body.update(kw)
+            return body
+        nan = np.zeros((c, d), np.float32); nan[0, 0] = np.nan
+        bad = [
+            ("nan", upd(payload={"protos": nan}), {}),
+            ("shape", upd(payload={"protos": np.zeros((c, d + 2), np.float32)}), {}),
+            ("dtype", upd(payload={"protos": np.zeros((c, d), np.float64)}), {}),
+            ("unknown task", upd(task=10**6), {}),
+            ("classes", upd(payload={"classes": np.array([0, c + 3], np.int64)}), {}),
+            ("negative counts", upd(payload={"counts": np.full(c, -2, np.int64)}), {}),
+            ("wrong round", upd(), {"round": m.round + 7}),
+        ]
+        for name, body, kw in bad:
+            peer.send("update", "server", body, round=kw.get("round", m.round), src="c4")
+            sent += 1
+        if t["version"] == 1:  # one honest answer, then the same answer again (a duplicate)
+            peer.send("update", "server", upd(), round=m.round, src="c4")
+            peer.send("update", "server", upd(), round=m.round, src="c4")
+            sent += 1
+            out(event="duplicate sent", version=t["version"])
+        out(event="sent", version=t["version"], total=sent)
+    elif m.kind == "eval":
+        peer.send("eval_result", "server", {"eval": m.body["eval"], "version": m.body["version"],
+                  "metrics": {"acc": 0.0, "loss": 0.0, "num_test": 0}}, round=m.round, src="c4")
+    elif m.kind == "error":
+        out(event="error", **{k: v for k, v in m.body.items() if isinstance(v, (str, int))})
+    elif m.kind == "shutdown":
+        out(event="shutdown", sent=sent)
+        break
+peer.close()
+'''
+
+
+def test_hostile_client_in_a_real_federation(tmp_path, spawn_py):
+    port = free_port()
+    broker = f"tcp://127.0.0.1:{port}"
+    # the honest clients also protect their prototypes (item 3): clipped, noised, no counts
+    sections = merged(SMALL, federation={"clients": 5, "rounds": 2, "seed": 2,
+                                         "deadline_s": 4.0, "min_updates": 1},
+                      algorithm={"name": "fedproto"},
+                      privacy={"clip_norm": 1.0, "noise_sigma": 0.05, "withhold_counts": True})
+    cfg_path = write_config(tmp_path / "cfg.toml", sections)
+    run_dir = tmp_path / "run"
+    procs = Processes(tmp_path)
+    try:
+        procs.start("broker", "broker", "--bind", broker, "--heartbeat-s", "0.3",
+                    "--liveness", "4")
+        cfg = build_config(sections)
+        engine = build_engine(cfg, "x")
+        c, d = engine.handler.update_spec()["protos"][1]
+        evil = spawn_py(HOSTILE, {"broker": broker, "c": c, "d": d}, name="evil")
+        evil.expect("ready", timeout=90)
+        procs.start("server", "server", "--broker", broker, str(cfg_path), "--out", str(run_dir))
+        procs.start("node", "node", "--broker", broker, "--clients", "0-3", "--name", "honest",
+                    "--heartbeat-s", "0.3", "--liveness", "4")
+        evil.expect("shutdown", timeout=240)
+        wait_until(lambda: procs.procs["server"].poll() is not None, 60, "the server to exit")
+        assert procs.procs["server"].returncode == 0, procs.log("server")[-3000:]
+    finally:
+        procs.close()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rounds_completed"] == 2
+    sent = evil.records("sent")
+    assert [r["version"] for r in sent] == [0, 1]
+    total = sent[-1]["total"]  # 7 bad updates per task + the duplicate
+    assert total == 15
+    errors = [r for r in evil.records("error") if r.get("code") == "rejected"]
+    reasons = [r["reason"] for r in errors]
+    assert len(errors) == total, reasons
+    for fragment in ("NaN or Inf", "has shape", "has dtype float64", "task 1000000 is not",
+                     "class ids must lie", "counts must be non-negative", "round 7 does not",
+                     "round 8 does not"):
+        assert any(fragment in r for r in reasons), (fragment, reasons)
+    assert sum("is not outstanding" in r for r in reasons) == 3  # 2 unknown tasks + the duplicate
+    assert summary["rejected"] == total
+    recs = [r for r in metrics(run_dir) if "participants" in r]
+    assert [r["round"] for r in recs] == [0, 1]
+    assert 4 not in recs[0]["participants"] and recs[0]["participants"] == [0, 1, 2, 3]
+    assert recs[1]["participants"] == [0, 1, 2, 3, 4]  # its one honest update counted once
+    assert recs[0]["failures"] == {"4": "late"}
+    _check_protected_uploads(run_dir, honest={0, 1, 2, 3}, sigma=0.05)
+
+
+def _check_protected_uploads(run_dir, honest: set[int], sigma: float) -> None:
+    """The honest updates the server logged are clipped to norm 1, noised, and carry 0/1
+    presence flags instead of counts (privacy.clip_norm/noise_sigma/withhold_counts)."""
+    from fedbus.node.msglog import read_log
+
+    seen = 0
+    for rec in read_log(run_dir):
+        if rec.direction != "in":
+            continue
+        m = wire.decode(rec.frames)
+        if m.kind != "update" or int(m.src[1:]) not in honest:
+            continue
+        seen += 1
+        protos, counts = m.body["payload"]["protos"], m.body["payload"]["counts"]
+        assert set(np.unique(counts).tolist()) <= {0, 1} and counts.sum() > 0
+        norms = np.linalg.norm(protos[counts > 0], axis=1)
+        # clipped to 1, then N(0, sigma^2) per dimension: far below 1 + 6 sigma sqrt(D)
+        assert norms.max() < 1.0 + 6 * sigma * math.sqrt(protos.shape[1]), norms
+        assert norms.min() > 0
+        assert np.all(protos[counts == 0] == 0)  # absent classes stay zero rows
+    assert seen == 2 * len(honest)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))
