@@ -9,7 +9,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from collections.abc import Callable
+
+from fedbus.bench.common import write_toml as write_config
 
 REPO = Path(__file__).resolve().parents[1]
 MNIST_NPZ = Path(os.environ.get("FEDBUS_MNIST_NPZ", REPO.parent / "shared/data/mnist-10k.npz"))
@@ -25,28 +27,6 @@ SMALL = {
     "bus": {"heartbeat_s": 0.3, "liveness": 4},
     "launch": {"nodes": 2},
 }
-
-
-def toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, list):
-        return "[" + ", ".join(toml_value(x) for x in v) + "]"
-    raise TypeError(v)
-
-
-def write_config(path: Path, sections: dict[str, dict[str, Any]]) -> Path:
-    lines = []
-    for name, table in sections.items():
-        lines.append(f"[{name}]")
-        lines += [f"{k} = {toml_value(v)}" for k, v in table.items()]
-        lines.append("")
-    path.write_text("\n".join(lines))
-    return path
 
 
 def merged(base: dict, **changes: dict) -> dict:
