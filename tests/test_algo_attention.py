@@ -6,11 +6,10 @@ import math
 import numpy as np
 import pytest
 import torch
-from torch import nn
+from algo_support import check_spec, make_model_fn, seven_class_digits, tiny_harness
 
 from fedbus.algorithms import get_algorithm
-from fedbus.algorithms.base import (ClientContext, ClientUpdate, Failure, LocalRun, RoundInfo,
-                                    ServerContext, Work)
+from fedbus.algorithms.base import Failure, LocalRun, RoundInfo
 from fedbus.algorithms.proto_attention import (ProtoAttentionClient, ProtoAttentionServer,
                                                attention_weights, client_score,
                                                normalise_scores, prototype_margins)
@@ -19,80 +18,12 @@ torch.set_num_threads(1)
 
 TRAIN = {"lr": 0.1, "momentum": 0.5, "weight_decay": 0.0, "batch_size": 32, "epochs": 1}
 RAW = {"minmax": False}  # hand computations on raw 2-d prototypes
-
-
-class TinyNet(nn.Module):
-    def __init__(self, d_in: int = 64, feat: int = 16, classes: int = 10):
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(d_in, 32), nn.ReLU(), nn.Linear(32, feat), nn.ReLU())
-        self.fc = nn.Linear(feat, classes)
-
-    def features(self, x):
-        return self.body(x)
-
-    def head(self, h):
-        return self.fc(h)
-
-    def forward(self, x):
-        return self.head(self.features(x))
-
-
-def make_model_fn(d_in=64, feat=16, classes=10, seed=0):
-    def make(i: int) -> nn.Module:
-        torch.manual_seed(seed)
-        return TinyNet(d_in, feat, classes)
-    return make
-
-
-def server_ctx(params, make=None, classes=10, feat=16):
-    return ServerContext(params=params, train=TRAIN, num_classes=classes, feature_dim=feat,
-                         clients=3, rounds=5, seed=0, homogeneous=True,
-                         make_model=make or make_model_fn(feat=feat, classes=classes))
-
-
-def update(client, payload, n, weight=1.0, version=0, staleness=0, work=None):
-    return ClientUpdate(client=client, payload=payload, num_samples=n,
-                        work=work or Work(1, 1.0, 1, n), version=version, staleness=staleness,
-                        weight=weight)
-
-
-def check_spec(payload, spec):
-    for key, want in spec.items():
-        if isinstance(want, dict):
-            check_spec(payload[key], want)
-            continue
-        dtype, shape = want
-        arr = payload[key]
-        assert isinstance(arr, np.ndarray), key
-        assert arr.dtype.name == dtype, (key, arr.dtype)
-        assert len(arr.shape) == len(shape), (key, arr.shape)
-        assert all(s is None or s == a for s, a in zip(shape, arr.shape)), (key, arr.shape)
+server_ctx, client_ctx, update = tiny_harness(TRAIN)
 
 
 @pytest.fixture(scope="module")
 def digits_clients():
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    x = torch.tensor(d.data / 16.0, dtype=torch.float32)
-    y = torch.tensor(d.target, dtype=torch.int64)
-    rng = np.random.default_rng(1)
-    parts = []
-    for i in range(3):
-        classes = [(i * 3 + j) % 10 for j in range(7)]
-        idx = np.concatenate([rng.permutation(np.flatnonzero(d.target == c))
-                              [: int(0.6 * (d.target == c).sum())] for c in classes])
-        idx = rng.permutation(idx)
-        cut = int(0.75 * len(idx))
-        parts.append((x[idx[:cut]], y[idx[:cut]], x[idx[cut:]], y[idx[cut:]]))
-    return parts
-
-
-def client_ctx(i, part, params):
-    trx, tr_y, tex, te_y = part
-    return ClientContext(client=i, model=make_model_fn()(i), device=torch.device("cpu"),
-                         train_x=trx, train_y=tr_y, test_x=tex, test_y=te_y, num_classes=10,
-                         feature_dim=16, params=params, train=TRAIN, seed=0)
+    return seven_class_digits(seed=1)
 
 
 # --- margins by hand -----------------------------------------------------------------
@@ -298,7 +229,7 @@ def test_client_trains_on_digits_and_update_has_spec(digits_clients):
     cli = ProtoAttentionClient(client_ctx(0, digits_clients[0], {}))
     run = LocalRun(cli.ctx, epochs=1, seed=0)
     upd = cli.train(srv.make_task(0, RoundInfo(0, 5)), run)
-    check_spec(upd, srv.update_spec())
+    check_spec(upd, srv.update_spec(), by_name=True)
     # and the engine's own validation accepts it
     from fedbus.node.validate import check_update
     body = {"task": 1, "version": 0, "num_samples": len(cli.ctx.train_y),

@@ -8,119 +8,14 @@ import math
 import numpy as np
 import pytest
 import torch
-from sklearn.datasets import load_digits
+from algo_support import (check_spec, client_ctx, freeze, iid_digits_parts, make_model,
+                          server_ctx, simulate, update)
 from torch import nn
 
 from fedbus.algorithms import get_algorithm
-from fedbus.algorithms.base import (ClientContext, ClientUpdate, Failure, LocalRun, RoundInfo,
-                                    ServerContext, Work, model_weights)
+from fedbus.algorithms.base import Failure, LocalRun, RoundInfo, model_weights
 
 torch.set_num_threads(1)
-
-C, D = 10, 32
-TRAIN = {"lr": 0.05, "momentum": 0.5, "weight_decay": 0.0, "batch_size": 32}
-
-
-# --- a tiny harness: real data, real networks, handlers called directly -------------
-
-class Net(nn.Module):
-    def __init__(self, deep: bool = False):
-        super().__init__()
-        pre = [nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, D)] if deep else [nn.Linear(64, D)]
-        self.body = nn.Sequential(*pre, nn.ReLU())
-        self.fc = nn.Linear(D, C)
-
-    def features(self, x):
-        return self.body(x)
-
-    def head(self, h):
-        return self.fc(h)
-
-    def forward(self, x):
-        return self.head(self.features(x))
-
-
-def make_model(i: int, seed: int = 0) -> Net:
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        return Net()
-
-
-def digits_parts(k: int, seed: int = 0):
-    """k iid clients, each (train_x, train_y, test_x, test_y), 75/25."""
-    data = load_digits()
-    x = torch.tensor(data.data / 16.0, dtype=torch.float32)
-    y = torch.tensor(data.target, dtype=torch.int64)
-    order = np.random.default_rng(seed).permutation(len(y))
-    parts = []
-    for chunk in np.array_split(order, k):
-        cut = int(0.75 * len(chunk))
-        tr, te = torch.as_tensor(chunk[:cut]), torch.as_tensor(chunk[cut:])
-        parts.append((x[tr], y[tr], x[te], y[te]))
-    return parts
-
-
-def client_ctx(i, part, params, model=None, seed=0):
-    model = make_model(i, seed) if model is None else model
-    return ClientContext(client=i, model=model, device=torch.device("cpu"),
-                         train_x=part[0], train_y=part[1], test_x=part[2], test_y=part[3],
-                         num_classes=C, feature_dim=D, params=params, train=TRAIN, seed=seed + i)
-
-
-def server_ctx(params, clients=4, rounds=3, make=make_model, feature_dim=D):
-    return ServerContext(params=params, train=TRAIN, num_classes=C, feature_dim=feature_dim,
-                         clients=clients, rounds=rounds, seed=0, homogeneous=True,
-                         make_model=make)
-
-
-def freeze(value):
-    """What the wire hands over: fresh read-only arrays."""
-    if isinstance(value, dict):
-        return {k: freeze(v) for k, v in value.items()}
-    if isinstance(value, np.ndarray):
-        out = value.copy()
-        out.flags.writeable = False
-        return out
-    return value
-
-
-def check_spec(payload, spec):
-    for key, want in spec.items():
-        assert key in payload, key
-        if isinstance(want, dict):
-            check_spec(payload[key], want)
-            continue
-        dtype, shape = want
-        arr = payload[key]
-        assert isinstance(arr, np.ndarray) and arr.dtype == np.dtype(dtype), (key, arr.dtype)
-        assert len(arr.shape) == len(shape), key
-        assert all(s is None or s == a for s, a in zip(shape, arr.shape)), (key, arr.shape)
-
-
-def update(i, payload, n, version=0, staleness=0):
-    return ClientUpdate(client=i, payload=freeze(payload), num_samples=n,
-                        work=Work(1, 1.0, 1, n), version=version, staleness=staleness,
-                        weight=1.0 / math.sqrt(1 + staleness))
-
-
-def simulate(name, params, rounds=3, clients=4, epochs=1):
-    algo = get_algorithm(name)
-    parts = digits_parts(clients)
-    server = algo.server(server_ctx(params, clients, rounds))
-    handlers = [algo.client(client_ctx(i, p, params)) for i, p in enumerate(parts)]
-    history = []
-    for r in range(rounds):
-        info = RoundInfo(r, rounds)
-        ups = []
-        for i, h in enumerate(handlers):
-            run = LocalRun(h.ctx, epochs=epochs, seed=1000 * r + i)
-            payload = h.train(freeze(server.make_task(i, info)), run)
-            check_spec(payload, server.update_spec())
-            ups.append(update(i, payload, len(h.ctx.train_y), version=r))
-        server.aggregate(ups, [], info)
-        evals = [h.evaluate(freeze(server.make_eval(i, info))) for i, h in enumerate(handlers)]
-        history.append(float(np.mean([e["acc"] for e in evals])))
-    return server, handlers, history
 
 
 # --- registry and config ----------------------------------------------------------------
@@ -189,7 +84,7 @@ def test_empty_aggregation_keeps_state(name):
 def test_fedavg_sync_async_equivalence():
     """Two fresh updates in one aggregate == plain FedAvg of the full weights."""
     algo = get_algorithm("fedavg")
-    parts = digits_parts(2)
+    parts = iid_digits_parts(2)
     server = algo.server(server_ctx({}, clients=2))
     g = {k: v.copy() for k, v in server.weights.items()}
     full, ups = [], []
@@ -218,7 +113,7 @@ def test_fedavg_sync_async_equivalence():
 @pytest.mark.parametrize("name", ["local", "fedavg", "fedprox"])
 def test_client_trains_and_update_has_spec(name):
     algo = get_algorithm(name)
-    part = digits_parts(4)[0]
+    part = iid_digits_parts(4)[0]
     server = algo.server(server_ctx({}))
     h = algo.client(client_ctx(0, part, {}))
     before = model_weights(h.ctx.model)
@@ -237,7 +132,7 @@ def test_client_trains_and_update_has_spec(name):
 
 def test_fedavg_partial_work_still_updates():
     algo = get_algorithm("fedavg")
-    part = digits_parts(4)[0]
+    part = iid_digits_parts(4)[0]
     server = algo.server(server_ctx({}))
     h = algo.client(client_ctx(0, part, {}))
     run = LocalRun(h.ctx, epochs=2, seed=0, epochs_to_run=0.25)
@@ -248,7 +143,7 @@ def test_fedavg_partial_work_still_updates():
 
 def test_fedavg_evaluates_global_model_and_keeps_local():
     algo = get_algorithm("fedavg")
-    part = digits_parts(4)[0]
+    part = iid_digits_parts(4)[0]
     server = algo.server(server_ctx({}))
     h = algo.client(client_ctx(0, part, {}))
     h.train(freeze(server.make_task(0, RoundInfo(0, 3))), LocalRun(h.ctx, epochs=1, seed=0))
@@ -267,7 +162,7 @@ def test_fedavg_evaluates_global_model_and_keeps_local():
 
 def test_fedprox_proximal_term_by_hand():
     algo = get_algorithm("fedprox")
-    part = digits_parts(4)[0]
+    part = iid_digits_parts(4)[0]
     h = algo.client(client_ctx(0, part, {"mu": 0.5}))
     h.begin_local({})
     with torch.no_grad():
@@ -280,7 +175,7 @@ def test_fedprox_proximal_term_by_hand():
 
 
 def test_fedprox_stays_closer_to_global():
-    part = digits_parts(4)[0]
+    part = iid_digits_parts(4)[0]
     norms = {}
     for mu in (0.0, 5.0):
         algo = get_algorithm("fedprox")
@@ -311,5 +206,6 @@ def test_fedavg_state_roundtrip():
 
 @pytest.mark.parametrize("name", ["local", "fedavg", "fedprox"])
 def test_short_federation_learns(name):
-    _, _, history = simulate(name, {}, rounds=4, clients=4, epochs=3)
+    _, _, history = simulate(name, {}, rounds=4, clients=4, epochs=3, ways=None,
+                              metrics="acc")
     assert history[-1] > 0.6 and history[-1] > history[0], history  # chance is 0.1

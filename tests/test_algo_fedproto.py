@@ -10,130 +10,15 @@ import math
 import numpy as np
 import pytest
 import torch
+from algo_support import (C, D, check_spec, client_ctx, digits_parts, freeze, server_ctx,
+                          simulate, update)
 from sklearn.datasets import load_digits
 from torch import nn
 
 from fedbus.algorithms import get_algorithm
-from fedbus.algorithms.base import (ClientContext, ClientUpdate, Failure, LocalRun, RoundInfo,
-                                    ServerContext, Work)
+from fedbus.algorithms.base import Failure, LocalRun, RoundInfo
 
 torch.set_num_threads(1)
-
-C, D = 10, 32
-TRAIN = {"lr": 0.05, "momentum": 0.5, "weight_decay": 0.0, "batch_size": 32}
-
-
-# --- a tiny harness: real data, real networks, handlers called directly -------------
-
-class Net(nn.Module):
-    def __init__(self, deep: bool = False):
-        super().__init__()
-        pre = [nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, D)] if deep else [nn.Linear(64, D)]
-        self.body = nn.Sequential(*pre, nn.ReLU())
-        self.fc = nn.Linear(D, C)
-
-    def features(self, x):
-        return self.body(x)
-
-    def head(self, h):
-        return self.fc(h)
-
-    def forward(self, x):
-        return self.head(self.features(x))
-
-
-def make_model(i: int, seed: int = 0, deep: bool = False) -> Net:
-    with torch.random.fork_rng():
-        torch.manual_seed(seed + (1000 if deep else 0))
-        return Net(deep)
-
-
-def digits_parts(k: int, ways: int = 10, seed: int = 0):
-    """k clients; client j holds classes j, j+1, ..., j+ways-1 (mod 10), split
-    75/25 into train and test; the class pools are shared out without overlap."""
-    data = load_digits()
-    x = torch.tensor(data.data / 16.0, dtype=torch.float32)
-    y = np.asarray(data.target)
-    rng = np.random.default_rng(seed)
-    owners = {c: [j for j in range(k) if (c - j) % 10 < ways] for c in range(10)}
-    idx = {j: [] for j in range(k)}
-    for c in range(10):
-        pool = rng.permutation(np.nonzero(y == c)[0])
-        for j, chunk in zip(owners[c], np.array_split(pool, max(1, len(owners[c])))):
-            idx[j].extend(chunk.tolist())
-    parts = []
-    yt = torch.as_tensor(y, dtype=torch.int64)
-    for j in range(k):
-        order = rng.permutation(np.array(idx[j]))
-        cut = int(0.75 * len(order))
-        tr, te = torch.as_tensor(order[:cut]), torch.as_tensor(order[cut:])
-        parts.append((x[tr], yt[tr], x[te], yt[te]))
-    return parts
-
-
-def client_ctx(i, part, params, model=None, seed=0):
-    model = make_model(i, seed) if model is None else model
-    return ClientContext(client=i, model=model, device=torch.device("cpu"),
-                         train_x=part[0], train_y=part[1], test_x=part[2], test_y=part[3],
-                         num_classes=C, feature_dim=D, params=params, train=TRAIN, seed=seed + i)
-
-
-def server_ctx(params, clients=4, rounds=3, make=make_model, num_classes=C, feature_dim=D,
-               homogeneous=True):
-    return ServerContext(params=params, train=TRAIN, num_classes=num_classes,
-                         feature_dim=feature_dim, clients=clients, rounds=rounds, seed=0,
-                         homogeneous=homogeneous, make_model=make)
-
-
-def freeze(value):
-    """What the wire hands over: fresh read-only arrays."""
-    if isinstance(value, dict):
-        return {k: freeze(v) for k, v in value.items()}
-    if isinstance(value, np.ndarray):
-        out = value.copy()
-        out.flags.writeable = False
-        return out
-    return value
-
-
-def check_spec(payload, spec):
-    for key, want in spec.items():
-        assert key in payload, key
-        if isinstance(want, dict):
-            check_spec(payload[key], want)
-            continue
-        dtype, shape = want
-        arr = payload[key]
-        assert isinstance(arr, np.ndarray) and arr.dtype == np.dtype(dtype), (key, arr.dtype)
-        assert len(arr.shape) == len(shape), key
-        assert all(s is None or s == a for s, a in zip(shape, arr.shape)), (key, arr.shape)
-
-
-def update(i, payload, n=10, version=0, staleness=0):
-    return ClientUpdate(client=i, payload=freeze(payload), num_samples=n,
-                        work=Work(1, 1.0, 1, n), version=version, staleness=staleness,
-                        weight=1.0 / math.sqrt(1 + staleness))
-
-
-def simulate(name, params, rounds=3, clients=4, epochs=1, ways=5, hetero=False):
-    algo = get_algorithm(name)
-    parts = digits_parts(clients, ways)
-    server = algo.server(server_ctx(params, clients, rounds, homogeneous=not hetero))
-    handlers = [algo.client(client_ctx(i, p, params, model=make_model(i, deep=hetero and i % 2)))
-                for i, p in enumerate(parts)]
-    history = []
-    for r in range(rounds):
-        info = RoundInfo(r, rounds)
-        ups = []
-        for i, h in enumerate(handlers):
-            run = LocalRun(h.ctx, epochs=epochs, seed=1000 * r + i)
-            payload = h.train(freeze(server.make_task(i, info)), run)
-            check_spec(payload, server.update_spec())
-            ups.append(update(i, payload, len(h.ctx.train_y), version=r))
-        server.aggregate(ups, [], info)
-        evals = [h.evaluate(freeze(server.make_eval(i, info))) for i, h in enumerate(handlers)]
-        history.append({k: float(np.mean([e[k] for e in evals])) for k in ("acc", "proto_acc")})
-    return server, handlers, history
 
 
 # --- FedProto server: aggregation by hand ------------------------------------------------

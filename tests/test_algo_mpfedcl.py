@@ -6,92 +6,22 @@ import math
 import numpy as np
 import pytest
 import torch
-from torch import nn
+from algo_support import check_spec, make_model_fn, seven_class_digits, tiny_harness
 
 from fedbus.algorithms import get_algorithm
-from fedbus.algorithms.base import (ClientContext, ClientUpdate, Failure, LocalRun, RoundInfo,
-                                    ServerContext, Work)
+from fedbus.algorithms.base import Failure, LocalRun, RoundInfo
 from fedbus.algorithms.mpfedcl import (MPFedCLClient, MPFedCLServer, client_prototypes,
                                        merge_pool, pool_contrastive_loss, pool_distances)
 
 torch.set_num_threads(1)
 
 TRAIN = {"lr": 0.05, "momentum": 0.5, "weight_decay": 0.0, "batch_size": 32, "epochs": 1}
-
-
-class TinyNet(nn.Module):
-    def __init__(self, d_in: int = 64, feat: int = 16, classes: int = 10):
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(d_in, 32), nn.ReLU(), nn.Linear(32, feat), nn.ReLU())
-        self.fc = nn.Linear(feat, classes)
-
-    def features(self, x):
-        return self.body(x)
-
-    def head(self, h):
-        return self.fc(h)
-
-    def forward(self, x):
-        return self.head(self.features(x))
-
-
-def make_model_fn(d_in=64, feat=16, classes=10, seed=0):
-    def make(i: int) -> nn.Module:
-        torch.manual_seed(seed)
-        return TinyNet(d_in, feat, classes)
-    return make
-
-
-def server_ctx(params, make=None, classes=10, feat=16, clients=3, seed=0):
-    return ServerContext(params=params, train=TRAIN, num_classes=classes, feature_dim=feat,
-                         clients=clients, rounds=5, seed=seed, homogeneous=True,
-                         make_model=make or make_model_fn(feat=feat, classes=classes))
+server_ctx, client_ctx, update = tiny_harness(TRAIN)
 
 
 @pytest.fixture(scope="module")
 def digits_clients():
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    x = torch.tensor(d.data / 16.0, dtype=torch.float32)
-    y = torch.tensor(d.target, dtype=torch.int64)
-    rng = np.random.default_rng(0)
-    # non-IID: client i holds classes {i, ..., i+6} mod 10, 60 % of each
-    parts = []
-    for i in range(3):
-        classes = [(i * 3 + j) % 10 for j in range(7)]
-        idx = np.concatenate([rng.permutation(np.flatnonzero(d.target == c))
-                              [: int(0.6 * (d.target == c).sum())] for c in classes])
-        idx = rng.permutation(idx)
-        cut = int(0.75 * len(idx))
-        parts.append((x[idx[:cut]], y[idx[:cut]], x[idx[cut:]], y[idx[cut:]]))
-    return parts
-
-
-def client_ctx(i, part, params, seed=0):
-    trx, tr_y, tex, te_y = part
-    return ClientContext(client=i, model=make_model_fn()(i), device=torch.device("cpu"),
-                         train_x=trx, train_y=tr_y, test_x=tex, test_y=te_y, num_classes=10,
-                         feature_dim=16, params=params, train=TRAIN, seed=seed)
-
-
-def check_spec(payload, spec):
-    for key, want in spec.items():
-        if isinstance(want, dict):
-            check_spec(payload[key], want)
-            continue
-        dtype, shape = want
-        arr = payload[key]
-        assert isinstance(arr, np.ndarray), key
-        assert arr.dtype.name == dtype, (key, arr.dtype)
-        assert len(arr.shape) == len(shape), (key, arr.shape, shape)
-        assert all(s is None or s == a for s, a in zip(shape, arr.shape)), (key, arr.shape)
-
-
-def update(client, payload, n, weight=1.0, version=0, staleness=0):
-    return ClientUpdate(client=client, payload=payload, num_samples=n,
-                        work=Work(1, 1.0, 1, n), version=version, staleness=staleness,
-                        weight=weight)
+    return seven_class_digits(seed=0)
 
 
 # --- the pool, by hand ------------------------------------------------------------
@@ -376,7 +306,7 @@ def test_client_trains_on_digits_and_update_has_spec(digits_clients, params):
         task = srv.make_task(0, RoundInfo(r, 5))
         run = LocalRun(cli.ctx, epochs=1, seed=r)
         upd = cli.train(task, run)
-        check_spec(upd, srv.update_spec())
+        check_spec(upd, srv.update_spec(), by_name=True)
         # and the engine's own validation accepts it
         from fedbus.node.validate import check_update
         body = {"task": 1, "version": 0, "num_samples": len(cli.ctx.train_y),
