@@ -22,7 +22,10 @@ server_epochs, ...); local training as FedProto's (1 epoch, batch 8,
 SGD lr 0.01, momentum 0.5) for every row, so that the rows differ only in
 the algorithm. federation.seed = the seed (partition, sampling,
 initialisation and training). Only the final evaluation runs
-(eval_every = rounds); no message log, no embeddings.
+(eval_every = rounds); no message log, no embeddings. Rounds wait for every
+client, but at most --hard-deadline-s (120 s; a normal round takes under a
+minute): the server rejects an update whose prototypes hold NaN/Inf and its
+client then never answers that round.
 
 Columns: acc = the classifier head, proto_acc = nearest-prototype inference
 (each algorithm's own rule; '-' where there is none), client std = the std
@@ -85,6 +88,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None,
                    help="folder for the run directories (kept; default a temporary folder)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
+    p.add_argument("--hard-deadline-s", type=float, default=120.0,
+                   help="federation.hard_deadline_s: a round waiting for an update that "
+                   "will never come (e.g. one the server rejected) closes after this long "
+                   "(default 120; rounds here take under a minute)")
 
 
 def example_params(name: str) -> dict[str, Any]:
@@ -104,7 +111,8 @@ def config(args: argparse.Namespace, algorithm: str, seed: int,
         model = {"group": list(group), "feature_dim": args.feature_dim}
     return {
         "federation": {"clients": args.clients, "rounds": args.rounds, "seed": seed,
-                       "eval_every": args.rounds, "start_timeout_s": 600.0},
+                       "eval_every": args.rounds, "start_timeout_s": 600.0,
+                       "hard_deadline_s": args.hard_deadline_s},
         "data": {"dataset": f"npz:{args.data}", "partition": "nway-kshot", "ways": 3,
                  "ways_std": 2.0, "shots": 60, "shots_std": 10.0},
         "model": model,
