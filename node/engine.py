@@ -354,17 +354,21 @@ class Engine:
                                 "version": task.version})
         return []
 
-    def on_task_failed(self, src: str, task_id: Any, now: float) -> list[Out]:
-        """A client reported that its handler failed on a task."""
+    def on_task_failed(self, src: str, task_id: Any, now: float,
+                       reason: str = "error") -> list[Out]:
+        """A client's task ended without a usable update: its handler failed ("error"), or
+        its answer failed validation ("rejected"). Either way the client is done for this
+        round, so the round need not wait for its deadline."""
         task = self.tasks.get(task_id) if isinstance(task_id, int) else None
         if task is None or client_address(task.client) != src:
             return []
         del self.tasks[task_id]
         if self.round is not None and task.round == self.round.round:
-            self.round.failures.setdefault(task.client, "error")
+            self.round.failures.setdefault(task.client, reason)
         elif self.async_mode:
-            self.window.failures.setdefault(task.client, "error")
-        self.events.append({"event": "task_failed", "client": task.client, "task": task_id})
+            self.window.failures.setdefault(task.client, reason)
+        self.events.append({"event": "task_failed", "client": task.client, "task": task_id,
+                            "reason": reason})
         return self._progress(now)
 
     def is_expected_update(self, src: str, body: dict[str, Any], *, run: str | None = None,

@@ -67,7 +67,8 @@ def dispatch(engine: Engine, msg: Message, now: float) -> list[Out]:
     if kind == "update":
         reason = engine.is_expected_update(msg.src, body if isinstance(body, dict) else {},
                                            run=msg.run, round=msg.round)
-        if reason is None:
+        answers_task = reason is None
+        if answers_task:
             try:
                 check_update(body, engine.handler.update_spec(),
                              num_classes=engine.handler.ctx.num_classes,
@@ -80,9 +81,12 @@ def dispatch(engine: Engine, msg: Message, now: float) -> list[Out]:
             engine.totals["rejected"] += 1
             engine.events.append({"event": "rejected", "src": msg.src, "reason": reason})
             task = body.get("task") if isinstance(body, dict) else None
-            return [Out("error", msg.src, msg.round,
+            outs = [Out("error", msg.src, msg.round,
                         {"code": "rejected", "reason": reason,
                          "task": task if isinstance(task, int) else None})]
+            if answers_task:  # the client's answer to a live task: that task is over
+                outs += engine.on_task_failed(msg.src, task, now, reason="rejected")
+            return outs
         return engine.on_update(msg.src, body, msg.nbytes, now)
     if kind == "config" and isinstance(body, dict):
         return engine.on_configured(str(body.get("node", "")), str(body.get("run", "")), now)

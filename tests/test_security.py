@@ -521,8 +521,9 @@ def _decodes(body: bytes, max_frame: int) -> bool:
 
 
 def _replay_without(run_dir, src: str):
-    """The server's engine after the run's logged inputs, minus those from src (but its first
-    config acknowledgement, which made its client live and so shaped the sampling)."""
+    """The server's engine after the run's logged inputs, minus those from src: but its first
+    config acknowledgement (which made its client live and so shaped the sampling) and, for an
+    update that answered its live task, the ending of that task (a rejected answer ends it)."""
     from fedbus.node.msglog import read_log
     from fedbus.node.replay import load_run
     from fedbus.node.server import build_engine, dispatch
@@ -539,6 +540,10 @@ def _replay_without(run_dir, src: str):
                     kept_config = True
                 else:
                     skipped += 1
+                    body = m.body if isinstance(m.body, dict) else {}
+                    if m.kind == "update" and engine.is_expected_update(
+                            m.src, body, run=m.run, round=m.round) is None:
+                        engine.on_task_failed(m.src, body["task"], rec.time, reason="rejected")
                     continue
             dispatch(engine, m, rec.time)
         elif rec.direction == "tick":
