@@ -81,6 +81,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model group of the heterogeneous block (default cnn,cnn4,resnet8)")
     p.add_argument("--feature-dim", type=int, default=DEFAULT_FEATURE_DIM,
                    help="common prototype dimension of the group (default 64)")
+    p.add_argument("--param", action="append", default=[], metavar="ALGO.KEY=VALUE",
+                   help="override one [algorithm] option of one algorithm, e.g. "
+                   "fedtgp.lam=1.25 (repeatable; the value is read as TOML; the runs' "
+                   "names carry the overrides, so they are not mixed with the defaults')")
     p.add_argument("--clients", type=int, default=20)
     p.add_argument("--data", default=str(MNIST),
                    help="the offline MNIST npz (default ../shared/data/mnist-10k.npz)")
@@ -104,6 +108,35 @@ def example_params(name: str) -> dict[str, Any]:
     return {k: v for k, v in raw.get("algorithm", {}).items() if k != "name"}
 
 
+def parse_params(items: list[str]) -> dict[str, dict[str, Any]]:
+    """["fedtgp.lam=1.25", ...] -> {"fedtgp": {"lam": 1.25}}; ValueError naming the item."""
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        algo, dot, name = key.strip().rpartition(".")
+        if not sep or not dot or not algo or not name:
+            raise ValueError(f"--param {item!r}: expected ALGO.KEY=VALUE, e.g. fedtgp.lam=1.25")
+        if algo not in HOMOGENEOUS:
+            raise ValueError(f"--param {item!r}: unknown algorithm {algo!r}; choose from "
+                             f"{', '.join(HOMOGENEOUS)}")
+        try:
+            value = tomllib.loads(f"v = {raw.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw.strip()  # a bare word: a string option such as proto_loss=paper
+        out.setdefault(algo, {})[name] = value
+    return out
+
+
+def run_name(args: argparse.Namespace, algorithm: str, seed: int,
+             group: list[str] | None) -> str:
+    """hetero-fedtgp-s0, or e.g. hetero-d512-fedtgp-lam1.25-s0 off the defaults."""
+    block = "homo"
+    if group:
+        block = "hetero" if args.feature_dim == DEFAULT_FEATURE_DIM else f"hetero-d{args.feature_dim}"
+    extra = "".join(f"-{k}{v}" for k, v in sorted(args.params.get(algorithm, {}).items()))
+    return f"{block}-{algorithm}{extra}-s{seed}"
+
+
 def config(args: argparse.Namespace, algorithm: str, seed: int,
            group: list[str] | None) -> dict[str, dict[str, Any]]:
     model: dict[str, Any] = {"arch": "cnn"}
@@ -116,7 +149,8 @@ def config(args: argparse.Namespace, algorithm: str, seed: int,
         "data": {"dataset": f"npz:{args.data}", "partition": "nway-kshot", "ways": 3,
                  "ways_std": 2.0, "shots": 60, "shots_std": 10.0},
         "model": model,
-        "algorithm": {"name": algorithm, **example_params(algorithm)},
+        "algorithm": {"name": algorithm, **example_params(algorithm),
+                      **args.params.get(algorithm, {})},
         "train": {"epochs": 1, "batch_size": 8, "lr": 0.01, "momentum": 0.5},
         "launch": {"nodes": args.nodes, "devices": ["cpu"], "threads": 1},
         "log": {"level": "warning", "messages": False, "embeddings": 0},
@@ -133,7 +167,7 @@ def _complete(run_dir: Path, rounds: int) -> dict | None:
 
 def one_run(args: argparse.Namespace, out: Path, algorithm: str, seed: int,
             group: list[str] | None) -> dict[str, Any]:
-    name = f"{'hetero' if group else 'homo'}-{algorithm}-s{seed}"
+    name = run_name(args, algorithm, seed, group)
     run_dir = out / name
     summary = _complete(run_dir, args.rounds)
     note = "reused"
@@ -245,6 +279,11 @@ def main_args(args: argparse.Namespace) -> int:
     if not Path(args.data).exists():
         print(f"fedbus bench accuracy: {args.data} not found (--data)", file=sys.stderr)
         return 2
+    try:
+        args.params = parse_params(args.param)
+    except ValueError as err:
+        print(f"fedbus bench accuracy: {err}", file=sys.stderr)
+        return 2
     group = [g.strip() for g in args.group.split(",") if g.strip()]
     hetero_algos = [a for a in HETEROGENEOUS if a in algorithms] if args.hetero else []
     if args.out:
@@ -269,6 +308,9 @@ def main_args(args: argparse.Namespace) -> int:
     print(f"\n{header}")
     print(f"total {time.perf_counter() - t0:.0f} s; mean ± std over seeds of the per-client "
           "mean accuracy (%)")
+    for algo, opts in args.params.items():
+        print(f"  {algo} options overridden: "
+              + ", ".join(f"{k} = {v!r}" for k, v in sorted(opts.items())))
     if args.homo:
         print("homogeneous models (every client: cnn)")
         print("\n".join(table(results, algorithms, False)))
