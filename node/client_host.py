@@ -17,6 +17,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from fedbus.algorithms import get_algorithm
@@ -214,6 +215,11 @@ class ClientNode:
             return
         started = time.monotonic()
         update, took = run_task(self.pool.get(client), body)
+        bad = non_finite(update["payload"])
+        if bad:  # sent all the same: the server rejects it and ends this task at once
+            log.warning("update not finite: the client's model diverged", client=client,
+                        task=body["task"], arrays=bad,
+                        hint="lower train.lr or the algorithm's regulariser weight (lam)")
         due = started + took
         if due > time.monotonic():
             # a simulated slow device: its answer leaves when that device would be done,
@@ -238,6 +244,17 @@ class ClientNode:
             h, y = handler.embed(int(body["embed"]))
             result["embeddings"] = {"h": h, "y": y}
         self._send("eval_result", msg, result)
+
+
+def non_finite(payload: Any, path: str = "payload") -> list[str]:
+    """Paths of the float arrays in an update payload that hold NaN or Inf."""
+    if isinstance(payload, dict):
+        return [p for k, v in payload.items() for p in non_finite(v, f"{path}.{k}")]
+    if isinstance(payload, (list, tuple)):
+        return [p for i, v in enumerate(payload) for p in non_finite(v, f"{path}[{i}]")]
+    if isinstance(payload, np.ndarray) and payload.dtype.kind in "fc":
+        return [] if np.isfinite(payload).all() else [path]
+    return []
 
 
 def seed_torch(seed: int, device: torch.device) -> None:

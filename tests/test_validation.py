@@ -387,3 +387,29 @@ def _check_protected_uploads(run_dir, honest: set[int], sigma: float) -> None:
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+def test_a_diverged_client_is_flagged_at_home_and_its_round_ends_at_the_server():
+    """Real training on digits with an absurd learning rate: the model's prototypes turn
+    NaN/Inf; the node's check names the array, the server rejects the update and ends the
+    client's task (the round then closes with the other client alone)."""
+    import torch
+
+    from fedbus.node.client_host import ClientPool, non_finite, run_task
+
+    cfg = _config(train={"lr": 1e30, "momentum": 0.0, "epochs": 1})
+    engine = build_engine(cfg, RUN)
+    engine.on_join("node-0", ["c0", "c1"], 0.0)
+    tasks = {o.dst: o for o in engine.on_configured("node-0", RUN, 0.0) if o.kind == "task"}
+    pool = ClientPool(cfg, torch.device("cpu"))
+    update, _ = run_task(pool.get(0), tasks["c0"].body)
+    assert non_finite(update["payload"]) == ["payload.protos"]
+    outs = dispatch(engine, _received("update", "c0", update, seq=1), 1.0)
+    assert outs[0].body["code"] == "rejected" and "NaN or Inf" in outs[0].body["reason"]
+    assert engine.round.failures == {0: "rejected"}
+    # a sane client's update passes the same check
+    sane = _config()
+    update, _ = run_task(ClientPool(sane, torch.device("cpu")).get(1), tasks["c1"].body)
+    assert non_finite(update["payload"]) == []
+    assert non_finite({"a": [np.zeros(2), {"b": np.array([1.0, np.inf])}], "n": 3}) == [
+        "payload.a[1].b"]
