@@ -84,14 +84,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--param", action="append", default=[], metavar="ALGO.KEY=VALUE",
                    help="override one [algorithm] option of one algorithm, e.g. "
                    "fedtgp.lam=1.25 (repeatable; the value is read as TOML; the runs' "
-                   "names carry the overrides, so they are not mixed with the defaults')")
-    p.add_argument("--clients", type=int, default=20)
+                   "names carry the overrides, so they are not mixed with the defaults' runs)")
+    p.add_argument("--clients", type=int, default=20, help="clients per run (default 20)")
     p.add_argument("--data", default=str(MNIST),
                    help="the offline MNIST npz (default ../shared/data/mnist-10k.npz)")
-    p.add_argument("--nodes", type=int, default=2, help="client-node processes per run")
+    p.add_argument("--nodes", type=int, default=2, help="client-node processes per run (default 2)")
     p.add_argument("--out", default=None,
                    help="folder for the run directories (kept; default a temporary folder)")
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run (default 3600)")
     p.add_argument("--hard-deadline-s", type=float, default=120.0,
                    help="federation.hard_deadline_s: a round waiting for an update that "
                    "will never come (e.g. one the server rejected) closes after this long "
