@@ -59,6 +59,15 @@ default); server_lr = 0.01 (the code uses the clients' learning rate,
 run_me.sh `-lr 0.01`); server_batch_size = 10 (the code uses the clients'
 batch size, `-lbs 10`).
 
+lam and the feature dimension: the regulariser is nn.MSELoss's mean over the
+batch's B x D feature entries, so its pull on each entry scales as lam / D. The
+reference's lam = 10 goes with HtFLlib's feature_dim = 512; at D = 64 the same
+pull per entry is lam = 1.25. The server's adaptive margin grows with the
+spread of the client prototypes it receives, and clients pulled hard toward the
+spread-out global prototypes spread further: a feedback that tau bounds. In
+fedbus's MNIST benchmark (docs/RESULTS.md) lam = 10 at D = 64 drove the margin
+to tau within 10-14 rounds and several clients' models to NaN.
+
 Determinism: the prototype generator is initialised from the server seed by
 its own torch.Generator (the PyTorch default initialisations, drawn from that
 generator; the global RNG is never touched) and the same generator shuffles the

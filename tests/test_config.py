@@ -46,3 +46,42 @@ def test_missing_file_and_bad_toml(tmp_path):
     bad.write_text("[federation\nclients = 3")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(bad)
+
+
+EXAMPLES = sorted((__import__("pathlib").Path(__file__).parent.parent / "examples").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_every_example_config_validates_and_its_models_build(path):
+    """The examples are what users run first: each must pass validation as written, name a
+    registered algorithm, and its model (group) must build on its data's input shape."""
+    import torch
+
+    from fedbus.algorithms import get_algorithm
+    from fedbus.models import build_model
+
+    cfg = load_config(path)
+    get_algorithm(cfg.algorithm.name)
+    offline = path.stem.endswith("-offline")
+    assert offline == (cfg.data.dataset.startswith("npz:") or cfg.data.dataset == "digits")
+    if offline:  # run from the repository root, as the examples' headers say
+        assert cfg.data.dataset in ("digits", "npz:../shared/data/mnist-10k.npz")
+    shape = {"cifar10": (3, 32, 32), "cifar100": (3, 32, 32), "digits": (1, 8, 8)}.get(
+        cfg.data.dataset, (1, 28, 28))
+    archs = list(cfg.model.group) or [cfg.model.arch]
+    dims = set()
+    for arch in dict.fromkeys(archs):
+        net = build_model(arch, in_shape=shape, num_classes=10,
+                          feature_dim=cfg.model.feature_dim or None, seed=0)
+        with torch.no_grad():
+            h = net.features(torch.zeros(2, *shape))
+        dims.add(h.shape[1])
+    assert len(dims) == 1, (archs, dims)  # one prototype space for the whole group
+
+
+def test_the_examples_folder_holds_an_offline_twin_for_each_paper_experiment():
+    names = {p.stem for p in EXAMPLES}
+    assert len(names) >= 14
+    for algo in ("local", "fedavg", "fedprox", "fedproto", "fedavg-proto", "mpfedcl",
+                 "proto-attention", "fedtgp"):
+        assert f"{algo}-mnist-offline" in names, algo
