@@ -94,7 +94,7 @@ class Federation:
                 c.proc.wait(timeout=max(0.1, end - time.time()))
             except subprocess.TimeoutExpired:
                 c.proc.kill()
-                c.proc.wait()
+                c.proc.wait(timeout=30)
 
 
 def tail(path: Path, lines: int = 15) -> str:
@@ -135,6 +135,7 @@ def main(args: argparse.Namespace) -> int:
         say(f"warning: {warning}")
 
     fed = Federation(run_dir, level)
+    interrupted, restore = catch_interrupt()
     hb = ["--heartbeat-s", str(cfg.bus.heartbeat_s), "--liveness", str(cfg.bus.liveness)]
     keys: list[str] = []
     if cfg.bus.curve:
@@ -159,12 +160,26 @@ def main(args: argparse.Namespace) -> int:
             f"{cfg.federation.clients} clients in {len(groups)} node(s) "
             f"[{', '.join(sorted({p.label for p in placements}))}], broker {address}, "
             f"run dir {run_dir}")
-        return supervise(fed, run_dir, cfg, quiet=args.quiet, say=say)
+        return supervise(fed, run_dir, cfg, quiet=args.quiet, say=say, interrupted=interrupted)
     except KeyboardInterrupt:
         say("fedbus run: interrupted, stopping every process")
         return 130
     finally:
         fed.stop()
+        restore()
+
+
+def catch_interrupt():
+    """Ctrl-C sets a flag that the supervisor loop turns into KeyboardInterrupt at a point of
+    its choosing. Raised anywhere, it can land inside Popen.poll() between taking and
+    guarding the Popen's wait lock, and the stop that follows then blocks on that lock
+    forever. Returns (interrupted() -> bool, restore())."""
+    hits: list[int] = []
+    try:
+        old = signal.signal(signal.SIGINT, lambda signum, _frame: hits.append(signum))
+    except ValueError:  # not the main thread: keep Python's default
+        return (lambda: False), (lambda: None)
+    return (lambda: bool(hits)), (lambda: signal.signal(signal.SIGINT, old))
 
 
 def run_keys(cfg, run_dir: Path, groups: list[list[int]]) -> Path:
@@ -187,12 +202,15 @@ def run_keys(cfg, run_dir: Path, groups: list[list[int]]) -> Path:
     return keys
 
 
-def supervise(fed: Federation, run_dir: Path, cfg, *, quiet: bool, say) -> int:
+def supervise(fed: Federation, run_dir: Path, cfg, *, quiet: bool, say,
+              interrupted=lambda: False) -> int:
     progress = Progress(run_dir, cfg, enabled=not quiet)
     server = next(c for c in fed.children if c.name == "server")
     reported: set[str] = set()
     with progress:
         while True:
+            if interrupted():
+                raise KeyboardInterrupt
             progress.refresh()
             if server.proc.poll() is not None:
                 break
@@ -217,8 +235,8 @@ def supervise(fed: Federation, run_dir: Path, cfg, *, quiet: bool, say) -> int:
         return 1
     # nodes leave on the server's shutdown message; give them a moment
     end = time.time() + 5
-    while time.time() < end and any(c.proc.poll() is None for c in fed.children
-                                    if c.name.startswith("node")):
+    while time.time() < end and not interrupted() and any(
+            c.proc.poll() is None for c in fed.children if c.name.startswith("node")):
         time.sleep(0.1)
     summary_path = run_dir / "summary.json"
     if not quiet and summary_path.exists():
