@@ -17,7 +17,6 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from fedbus.algorithms import get_algorithm
@@ -29,6 +28,7 @@ from fedbus.node.config import Config, build_config
 from fedbus.node.engine import SERVER, client_address, client_index
 from fedbus.node.msglog import MessageLogWriter
 from fedbus.node.privacy import protect
+from fedbus.node.validate import non_finite
 from fedbus.node.setup import federated_data, make_model
 
 log = get_logger("fedbus.node")
@@ -244,17 +244,6 @@ class ClientNode:
             h, y = handler.embed(int(body["embed"]))
             result["embeddings"] = {"h": h, "y": y}
         self._send("eval_result", msg, result)
-
-
-def non_finite(payload: Any, path: str = "payload") -> list[str]:
-    """Paths of the float arrays in an update payload that hold NaN or Inf."""
-    if isinstance(payload, dict):
-        return [p for k, v in payload.items() for p in non_finite(v, f"{path}.{k}")]
-    if isinstance(payload, (list, tuple)):
-        return [p for i, v in enumerate(payload) for p in non_finite(v, f"{path}[{i}]")]
-    if isinstance(payload, np.ndarray) and payload.dtype.kind in "fc":
-        return [] if np.isfinite(payload).all() else [path]
-    return []
 
 
 def seed_torch(seed: int, device: torch.device) -> None:

@@ -24,17 +24,28 @@ def _check_number(name: str, value: Any, *, low: float = 0, high: float | None =
         raise Rejected(f"{name} = {value!r} is out of range")
 
 
-def _walk_arrays(value: Any, path: str = "payload"):
-    if isinstance(value, np.ndarray):
+def _walk(value: Any, path: str = "payload"):
+    """(path, value) for every array and float in a payload."""
+    if isinstance(value, (np.ndarray, float)):
         yield path, value
     elif isinstance(value, Mapping):
         for k, v in value.items():
-            yield from _walk_arrays(v, f"{path}.{k}")
+            yield from _walk(v, f"{path}.{k}")
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
-            yield from _walk_arrays(v, f"{path}[{i}]")
-    elif isinstance(value, float) and not np.isfinite(value):
-        raise Rejected(f"{path} is {value}")
+            yield from _walk(v, f"{path}[{i}]")
+
+
+def _finite(value: np.ndarray | float) -> bool:
+    if isinstance(value, np.ndarray):
+        return value.dtype.kind not in "fc" or bool(np.isfinite(value).all())
+    return bool(np.isfinite(value))
+
+
+def non_finite(payload: Any) -> list[str]:
+    """Paths of the floats and float arrays in a payload that are or hold NaN or Inf (a
+    node checks its own update with this before sending; the server rejects such)."""
+    return [path for path, value in _walk(payload) if not _finite(value)]
 
 
 def _flatten_spec(spec: Mapping[str, Any], prefix: tuple[str, ...] = ()):
@@ -94,10 +105,11 @@ def check_update(body: Any, spec: Mapping[str, Any], *,
             raise Rejected(f"{name} has shape {tuple(arr.shape)}, expected "
                            f"{tuple('*' if s is None else s for s in shape)}")
     total = 0
-    for path, arr in _walk_arrays(payload):
-        total += arr.nbytes
-        if arr.dtype.kind in "fc" and not np.isfinite(arr).all():
-            raise Rejected(f"{path} contains NaN or Inf")
+    for path, value in _walk(payload):
+        if not _finite(value):
+            raise Rejected(f"{path} contains NaN or Inf" if isinstance(value, np.ndarray)
+                           else f"{path} is {value}")
+        total += value.nbytes if isinstance(value, np.ndarray) else 0
     if max_bytes is not None and total > max_bytes:
         raise Rejected(f"payload arrays of {total} bytes exceed the {max_bytes}-byte cap")
     counts = payload.get("counts")

@@ -395,7 +395,8 @@ def test_a_diverged_client_is_flagged_at_home_and_its_round_ends_at_the_server()
     client's task (the round then closes with the other client alone)."""
     import torch
 
-    from fedbus.node.client_host import ClientPool, non_finite, run_task
+    from fedbus.node.client_host import ClientPool, run_task
+    from fedbus.node.validate import non_finite
 
     cfg = _config(train={"lr": 1e30, "momentum": 0.0, "epochs": 1})
     engine = build_engine(cfg, RUN)
@@ -411,5 +412,5 @@ def test_a_diverged_client_is_flagged_at_home_and_its_round_ends_at_the_server()
     sane = _config()
     update, _ = run_task(ClientPool(sane, torch.device("cpu")).get(1), tasks["c1"].body)
     assert non_finite(update["payload"]) == []
-    assert non_finite({"a": [np.zeros(2), {"b": np.array([1.0, np.inf])}], "n": 3}) == [
-        "payload.a[1].b"]
+    assert non_finite({"a": [np.zeros(2), {"b": np.array([1.0, np.inf])}], "n": 3,
+                       "x": math.nan, "i": np.array([1, 2])}) == ["payload.a[1].b", "payload.x"]
