@@ -132,7 +132,8 @@ def run_name(args: argparse.Namespace, algorithm: str, seed: int,
     """hetero-fedtgp-s0, or e.g. hetero-d512-fedtgp-lam1.25-s0 off the defaults."""
     block = "homo"
     if group:
-        block = "hetero" if args.feature_dim == DEFAULT_FEATURE_DIM else f"hetero-d{args.feature_dim}"
+        dim = args.feature_dim
+        block = "hetero" if dim == DEFAULT_FEATURE_DIM else f"hetero-d{dim}"
     extra = "".join(f"-{k}{v}" for k, v in sorted(args.params.get(algorithm, {}).items()))
     return f"{block}-{algorithm}{extra}-s{seed}"
 

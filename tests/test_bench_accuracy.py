@@ -10,10 +10,15 @@ import pytest
 from fedbus.bench import accuracy
 
 
-def _args(*argv: str) -> argparse.Namespace:
+def _parse(*argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     accuracy.add_arguments(p)
-    args = p.parse_args(list(argv))
+    return p.parse_args(list(argv))
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    """As main_args leaves them: with the --param overrides parsed."""
+    args = _parse(*argv)
     args.params = accuracy.parse_params(args.param)
     return args
 
@@ -48,9 +53,7 @@ def test_overrides_reach_the_config_and_the_run_name_only_of_their_algorithm():
 
 
 def test_a_bad_param_exits_2_before_any_run(tmp_path, capsys):
-    p = argparse.ArgumentParser()
-    accuracy.add_arguments(p)
-    ns = p.parse_args(["--param", "fedtgp.lam", "--data", __file__, "--out", str(tmp_path)])
+    ns = _parse("--param", "fedtgp.lam", "--data", __file__, "--out", str(tmp_path))
     assert accuracy.main_args(ns) == 2
     assert "expected ALGO.KEY=VALUE" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())

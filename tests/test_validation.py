@@ -291,7 +291,8 @@ while time.time() < deadline:
             return body
         nan = np.zeros((c, d), np.float32); nan[0, 0] = np.nan
         # answers to no live task first (they change nothing), then answers to this task
-        answers = [("unknown task", upd(task=10**6), {}), ("wrong round", upd(), {"round": m.round + 7})]
+        answers = [("unknown task", upd(task=10**6), {}),
+                   ("wrong round", upd(), {"round": m.round + 7})]
         if t["version"] == 0:  # a NaN answer ends the task; the next answer comes too late
             answers += [("nan", upd(payload={"protos": nan}), {}),
                     ("shape", upd(payload={"protos": np.zeros((c, d + 2), np.float32)}), {})]
