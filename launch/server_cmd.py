@@ -12,6 +12,7 @@ from pathlib import Path
 
 from fedbus.launch.common import add_config_arguments, add_log_arguments, setup_logging
 from fedbus.launch.keygen_cmd import add_peer_curve_arguments, peer_curve_from_args
+from fedbus.launch.preflight import check_inputs
 from fedbus.node.config import ConfigError, build_config, load_config
 
 
@@ -50,6 +51,7 @@ def main(args: argparse.Namespace) -> int:
         else:
             cfg = load_config(args.config, args.overrides)
             run_dir = Path(args.out) if args.out else default_run_dir(cfg.algorithm.name)
+        check_inputs(cfg)  # PreflightError is a ConfigError: one line, exit 2
     except (ConfigError, FileNotFoundError) as err:
         print(f"fedbus server: {err}", file=sys.stderr)
         return 2

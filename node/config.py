@@ -116,12 +116,17 @@ SCHEMA: dict[str, dict[str, Opt]] = {
                             min=1),
         "evict_to": Opt("memory", "where evicted clients go", ("memory", "disk")),
         "threads": Opt(1, "torch threads per node process", min=1),
+        "start": Opt("auto", "how `fedbus run` starts its processes: fork them from a launcher "
+                     "that loaded torch and the data once (auto: on Linux with no GPU node), "
+                     "or exec a fresh interpreter each", ("auto", "fork", "exec")),
     },
     "log": {
         "level": Opt("info", "log level", ("debug", "info", "warning", "error")),
         "messages": Opt(True, "server writes the message log (needed by `fedbus replay`)"),
         "client_messages": Opt(False, "client nodes write their own message logs"),
         "embeddings": Opt(200, "test embeddings per client saved at the end for plots", min=0),
+        "tensorboard": Opt(False, "server writes RUN/tensorboard/: scalars and participation "
+                                  "per round (pip install 'fedbus[tensorboard]')"),
     },
 }
 

@@ -9,6 +9,7 @@
     embeddings.fbk    final test embeddings + global prototypes (plots)
     messages.bin/.jsonl  the message log (see fedbus.node.msglog)
     logs/             JSON-lines logs of every process
+    tensorboard/      the metrics as TensorBoard scalars (log.tensorboard = true)
 """
 from __future__ import annotations
 
@@ -47,10 +48,15 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 class RunDir:
-    def __init__(self, path: str | Path, *, resume: bool = False):
+    def __init__(self, path: str | Path, *, resume: bool = False, tensorboard: bool = False):
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         (self.path / "logs").mkdir(exist_ok=True)
+        self._tb = None
+        if tensorboard:  # imported only when on; ConfigError if TensorBoard is not installed
+            from fedbus.node.tensorboard import TensorBoardWriter
+
+            self._tb = TensorBoardWriter(self.path)
         self.records: list[dict[str, Any]] = read_metrics(self.path) if resume else []
         self._metrics = open(self.path / "metrics.jsonl", "a" if resume else "w")
 
@@ -58,10 +64,13 @@ class RunDir:
         atomic_write(self.path / "config.json", json.dumps(cfg, indent=2).encode())
 
     def append_metrics(self, records: Iterable[dict[str, Any]]) -> None:
+        records = list(records)
         for rec in records:
             self.records.append(rec)
             self._metrics.write(json.dumps(rec, sort_keys=True) + "\n")
         self._metrics.flush()
+        if self._tb is not None:
+            self._tb.add(records)
 
     def write_status(self, status: dict[str, Any]) -> None:
         atomic_write(self.path / "status.json", json.dumps(status).encode())
@@ -89,6 +98,9 @@ class RunDir:
 
     def close(self) -> None:
         self._metrics.close()
+        if self._tb is not None:
+            self._tb.close()  # flushes the last events
+            self._tb = None
 
 
 def summarise(records: list[dict[str, Any]], *, algorithm: str, totals: dict[str, int],

@@ -108,7 +108,7 @@ class ServerNode:
         self.cfg = cfg
         self.curve = curve  # fedbus.broker.auth.PeerCurve, or None for plaintext
         self.resume = resume
-        self.run = RunDir(run_dir, resume=resume)
+        self.run = RunDir(run_dir, resume=resume, tensorboard=cfg.log.tensorboard)
         self.run_id = self._run_id(run_id)
         self.broker = broker
         self.engine = build_engine(cfg, self.run_id)

@@ -358,8 +358,8 @@ def load_partition(path: str | os.PathLike, dataset_size: int | None = None) -> 
 
     Checks: a JSON object with a "clients" list (and "num_clients" equal to its length when
     given); every index an integer >= 0 (and < dataset_size when given); no duplicate within
-    a client's train or test, and train/test disjoint per client. Errors are PartitionError
-    (a ValueError) naming the client and the problem.
+    a client's train or test, train/test disjoint per client, and no index given to two
+    clients. Errors are PartitionError (a ValueError) naming the client and the problem.
     """
     path = Path(path).expanduser()
     try:
@@ -395,4 +395,12 @@ def load_partition(path: str | os.PathLike, dataset_size: int | None = None) -> 
             raise PartitionError(f"{path}: client {i} has index {int(both[0])} in both train "
                                  f"and test ({len(both)} shared)")
         out.append(ClientSplit(tr, te))
+    idx = np.concatenate([np.concatenate([p.train, p.test]) for p in out])
+    owner = np.repeat(np.arange(len(out)), [len(p.train) + len(p.test) for p in out])
+    order = np.argsort(idx, kind="stable")
+    same = np.flatnonzero(idx[order][1:] == idx[order][:-1])
+    if len(same):
+        j = order[same[0]]
+        raise PartitionError(f"{path}: index {int(idx[j])} given to clients {int(owner[j])} "
+                             f"and {int(owner[order[same[0] + 1]])} ({len(same)} shared)")
     return out

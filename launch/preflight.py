@@ -1,0 +1,81 @@
+"""Preflight: check a run's inputs before any process starts.
+
+A bad dataset, partition file or model name used to surface as a traceback in
+the server's log after the broker and nodes were up. ``check_inputs(cfg)``
+finds it first, in the launcher, and raises ``PreflightError`` with one line
+that names the config key and the problem. What it checks:
+
+- model.arch and every name in model.group are known architectures;
+- data.dataset loads: the npz file exists and holds matching ``x`` and ``y``;
+  an online dataset (mnist, cifar10, ...) is here, or the loader's own message
+  says why not and names ``npz:PATH`` (torchvision missing, offline);
+- data.partition builds for federation.clients: a ``file:`` partition is
+  readable JSON of the right shape, its indices in range, no index given to
+  two clients, and it holds as many clients as the federation;
+- log.tensorboard: TensorBoard is installed when asked for;
+- the networks build on that data (conv nets need images; a weight-averaging
+  algorithm needs one architecture; a group shares one feature dim).
+
+It checks by doing: the real loader, partitioner and model builder run here,
+so the check and the run cannot disagree. Dataset and partition are cached per
+process (fedbus.node.data, fedbus.node.setup), so a server forked from the
+launcher inherits them instead of loading again.
+"""
+from __future__ import annotations
+
+from fedbus.node.config import Config, ConfigError
+
+#: what the real loaders raise for bad input (DatasetUnavailable and
+#: PretrainedUnavailable are RuntimeErrors; PartitionError and json errors ValueErrors)
+_INPUT_ERRORS = (ValueError, TypeError, OSError, RuntimeError, ImportError)
+
+
+class PreflightError(ConfigError):
+    """A run input that cannot be used; the message is one line naming the key."""
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split()))
+
+
+def check_inputs(cfg: Config) -> None:
+    """Raise PreflightError if the model names, dataset or partition of ``cfg`` are unusable."""
+    from fedbus.models import parse_arch
+    from fedbus.node.data.federated import data_config, dataset_from_config
+    from fedbus.node.setup import check_models, federated_data
+
+    model, data = cfg.model, cfg.data
+    names = [("model.arch", model.arch)]
+    names += [(f"model.group[{i}]", a) for i, a in enumerate(model.group)]
+    for key, name in names:
+        try:
+            parse_arch(name)
+        except _INPUT_ERRORS as err:
+            raise PreflightError(f"{key} = {name!r}: {err}") from None
+
+    try:
+        dataset_from_config(data_config(data), cfg.federation.seed)
+    except _INPUT_ERRORS as err:
+        raise PreflightError(f"data.dataset = {data.dataset!r}: {err}") from None
+
+    try:
+        federated_data(cfg)
+    except _INPUT_ERRORS as err:
+        raise PreflightError(f"data.partition = {data.partition!r}: {err}") from None
+
+    if cfg.log.tensorboard:
+        from fedbus.node.tensorboard import require
+
+        try:
+            require()
+        except ConfigError as err:  # names the pip command
+            raise PreflightError(str(err)) from None
+
+    from fedbus.algorithms import get_algorithm
+
+    try:
+        check_models(cfg, get_algorithm(cfg.algorithm.name).server.needs_same_model)
+    except ConfigError as err:  # names its key already
+        raise PreflightError(str(err)) from None
+    except _INPUT_ERRORS as err:
+        key, value = ("model.group", model.group) if model.group else ("model.arch", model.arch)
+        raise PreflightError(f"{key} = {value!r}: {err}") from None
