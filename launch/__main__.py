@@ -1,5 +1,3 @@
-import sys
+from fedbus.launch.cli import console_main
 
-from fedbus.launch.cli import main
-
-sys.exit(main())
+console_main()

@@ -3,9 +3,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 
-# bench name -> module under fedbus.bench; each offers add_arguments(p) and main_args(args)
+from fedbus.launch.cli import chosen_command
+
+# bench name -> (module under fedbus.bench, help); each offers add_arguments(p) and main_args(args)
 BENCHES = {
+    "startup": ("startup", ("time to first task, first aggregation and stop of a 1-round "
+                            "run, against one bare `import torch`")),
     "broker": ("broker", "broker throughput against a plain zmq.proxy (--curve: CURVE cost)"),
     "rounds": ("rounds", "framework overhead per round with no-op training"),
     "stragglers": ("stragglers", "time to finish R rounds with deadline/async vs wait-for-all"),
@@ -13,22 +18,24 @@ BENCHES = {
 }
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+NESTED = True  # the CLI hands add_arguments the words after `bench`
+
+
+def add_arguments(p: argparse.ArgumentParser, rest: list[str]) -> None:
+    # Only the chosen benchmark's module is imported: they pull in psutil and friends.
+    chosen = chosen_command(rest)
     sub = p.add_subparsers(dest="bench", metavar="NAME")
     for name, (module, help_text) in BENCHES.items():
         q = sub.add_parser(name, help=help_text, description=help_text)
-        try:
-            mod = importlib.import_module(f"fedbus.bench.{module}")
-        except ModuleNotFoundError as err:
-            if err.name != f"fedbus.bench.{module}":
-                raise
+        if name != chosen:
             continue
+        mod = importlib.import_module(f"fedbus.bench.{module}")
         mod.add_arguments(q)
         q.set_defaults(_bench=mod.main_args)
 
 
 def main(args: argparse.Namespace) -> int:
     if getattr(args, "_bench", None) is None:
-        print("fedbus bench: choose one of " + ", ".join(BENCHES))
+        print("fedbus bench: choose one of " + ", ".join(BENCHES), file=sys.stderr)
         return 2
     return int(args._bench(args) or 0)

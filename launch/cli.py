@@ -16,16 +16,56 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("replay_cmd", "re-run a run's server (or one client) from its message log"),
     "log": ("log_cmd", "print a run's message timeline"),
     "plot": ("plot_cmd", "plot one or more runs"),
-    "bench": ("bench_cmd", "benchmarks: broker, rounds, stragglers"),
+    "bench": ("bench_cmd", "benchmarks: startup, broker, rounds, stragglers, accuracy"),
     "keygen": ("keygen_cmd", "write a CurveZMQ keypair"),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+# optional package -> the extra that installs it
+EXTRAS = {"psutil": "bench", "matplotlib": "plot", "torchvision": "vision",
+          "tensorboard": "tensorboard"}
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("fedbus")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+class _Version(argparse.Action):
+    """--version, looked up only when asked (importlib.metadata costs ~60 ms)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"fedbus {version()}")
+        parser.exit()
+
+
+def chosen_command(argv: list[str]) -> str | None:
+    """The sub-command named in argv: the first word that is not an option."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def build_parser(command: str | None = None,
+                 rest: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser with every sub-command listed and only `command`'s arguments
+    built: a sub-command's module (and whatever it imports: torch, psutil,
+    matplotlib) is loaded only when that sub-command is the one chosen. A module
+    with sub-commands of its own (NESTED = True) is handed the words after its
+    name (`rest`) so that it too builds only the one chosen."""
     parser = argparse.ArgumentParser(prog="fedbus", description=__doc__)
+    parser.add_argument("--version", action=_Version, help="print fedbus's version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
+        if name != command:
+            continue
         try:
             mod = importlib.import_module(f"fedbus.launch.{module}")
         except ModuleNotFoundError as err:
@@ -33,13 +73,19 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             p.set_defaults(_missing=name)
             continue
-        mod.add_arguments(p)
+        if getattr(mod, "NESTED", False):
+            mod.add_arguments(p, rest or [])
+        else:
+            mod.add_arguments(p)
         p.set_defaults(_main=mod.main)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = chosen_command(argv)
+    rest = argv[argv.index(command) + 1:] if command else []
+    parser = build_parser(command, rest)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
@@ -47,8 +93,32 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "_missing", None):
         print(f"fedbus {args._missing}: not available in this build", file=sys.stderr)
         return 2
-    return int(args._main(args) or 0)
+    try:
+        return int(args._main(args) or 0)
+    except ModuleNotFoundError as err:
+        top = (err.name or "").split(".")[0]
+        if top not in EXTRAS:
+            raise
+        print(f"fedbus {args.command}: needs the optional package {top!r} "
+              f"(pip install 'fedbus[{EXTRAS[top]}]')",
+              file=sys.stderr)
+        return 2
+
+
+def console_main() -> None:
+    """The `fedbus` console script: main(), then leave without tearing the
+    interpreter down. With torch loaded a teardown takes about a second, as long
+    as a one-round federation's training; what we own is closed by then (run
+    files, message logs), and logs and standard streams are flushed here."""
+    import logging
+    import os
+
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

@@ -22,7 +22,9 @@ def visible_gpus() -> int:
     try:
         import torch
 
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+        # device_count asks NVML first and leaves the CUDA driver uninitialised, so
+        # processes forked from the launcher can still use the GPUs
+        return torch.cuda.device_count()
     except Exception:
         return 0
 

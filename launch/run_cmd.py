@@ -9,19 +9,18 @@ left behind.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
-import os
 import signal
 import socket
-import subprocess
 import sys
 import time
-from dataclasses import dataclass
+import warnings
 from pathlib import Path
 
 from fedbus.launch.common import add_config_arguments, config_from_args
 from fedbus.launch.devices import assign, format_ids, split_clients, visible_gpus
+from fedbus.launch.preflight import PreflightError, check_inputs
+from fedbus.launch.processes import Federation, preload, start_method
 from fedbus.launch.progress import Progress, print_summary
 from fedbus.launch.server_cmd import default_run_dir
 
@@ -45,63 +44,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def cause(log: Path) -> str:
+    """The one line of a dead process's log that says why: the exception line
+    closing its last traceback, else its last error event, else its last line."""
     try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        lines = [x.rstrip() for x in log.read_text(errors="replace").splitlines() if x.strip()]
     except OSError:
-        pass
-
-
-@dataclass
-class Child:
-    name: str
-    proc: subprocess.Popen
-    log: Path
-    essential: bool
-
-
-class Federation:
-    """The processes of one local run."""
-
-    def __init__(self, run_dir: Path, log_level: str):
-        self.run_dir = run_dir
-        self.log_level = log_level
-        self.children: list[Child] = []
-
-    def spawn(self, name: str, argv: list[str], *, env: dict[str, str] | None = None,
-              essential: bool = True) -> Child:
-        log = self.run_dir / "logs" / f"{name}.log"
-        cmd = [sys.executable, "-m", "fedbus.launch", *argv, "--log-level", self.log_level,
-               "--log-file", str(self.run_dir / "logs" / f"{name}.jsonl")]
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=open(log, "ab"),
-                                stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                                preexec_fn=_die_with_parent)
-        child = Child(name, proc, log, essential)
-        self.children.append(child)
-        return child
-
-    def dead(self) -> list[Child]:
-        return [c for c in self.children if c.proc.poll() is not None]
-
-    def stop(self, grace_s: float = 5.0) -> None:
-        for c in self.children:
-            if c.proc.poll() is None:
-                c.proc.send_signal(signal.SIGTERM)
-        end = time.time() + grace_s
-        for c in self.children:
-            try:
-                c.proc.wait(timeout=max(0.1, end - time.time()))
-            except subprocess.TimeoutExpired:
-                c.proc.kill()
-                c.proc.wait(timeout=30)
-
-
-def tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
+        return "(no log)"
+    last_tb = max((i for i, x in enumerate(lines) if x.startswith("Traceback")), default=None)
+    if last_tb is not None:
+        after = [x for x in lines[last_tb + 1:] if not x.startswith((" ", "\t"))]
+        if after:
+            return after[-1][:300]
+    errors = [x for x in lines if "level='error'" in x or '"level": "error"' in x]
+    return (errors or lines or ["(empty log)"])[-1][:300]
 
 
 def main(args: argparse.Namespace) -> int:
@@ -113,11 +69,20 @@ def main(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     if cfg is None:
         return 2
+    say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            check_inputs(cfg)
+        except PreflightError as err:
+            print(f"fedbus run: {err}", file=sys.stderr)
+            return 2
+    for w in caught:  # e.g. a partition that ran short of samples: one line each
+        say(f"fedbus run: warning: {' '.join(str(w.message).split())}")
     run_dir = Path(args.out) if args.out else default_run_dir(cfg.algorithm.name)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     level = args.log_level or cfg.log.level
-    say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
 
     if cfg.bus.broker:
         address = cfg.bus.broker
@@ -134,7 +99,8 @@ def main(args: argparse.Namespace) -> int:
     if warning:
         say(f"warning: {warning}")
 
-    fed = Federation(run_dir, level)
+    fed = Federation(run_dir, level, start_method(cfg.launch.start,
+                                                  [p.device for p in placements]))
     interrupted, restore = catch_interrupt()
     hb = ["--heartbeat-s", str(cfg.bus.heartbeat_s), "--liveness", str(cfg.bus.liveness)]
     keys: list[str] = []
@@ -144,11 +110,17 @@ def main(args: argparse.Namespace) -> int:
         except (ValueError, OSError) as err:
             print(f"fedbus run: CurveZMQ keys: {err}", file=sys.stderr)
             return 2
+    say(f"fedbus run: {cfg.algorithm.name} on {cfg.data.dataset}, "
+        f"{cfg.federation.clients} clients in {len(groups)} node(s) "
+        f"[{', '.join(sorted({p.label for p in placements}))}], broker {address}\n"
+        f"fedbus run: run directory {run_dir}")
     try:
-        if not cfg.bus.broker:
+        if not cfg.bus.broker:  # first: it needs no torch, and the others connect to it
             fed.spawn("broker", ["broker", "--bind", address, *hb,
                                  "--max-frame-mb", str(cfg.bus.max_frame_mb),
                                  *(["--curve", *keys] if keys else [])])
+        if fed.method == "fork":
+            preload(cfg)
         fed.spawn("server", ["server", "--broker", address, str(run_dir / "config.json"),
                              "--out", str(run_dir), *keys])
         for i, (ids, place) in enumerate(zip(groups, placements)):
@@ -156,17 +128,16 @@ def main(args: argparse.Namespace) -> int:
                                     "--device", place.device, "--name", f"node-{i}", *hb,
                                     *keys],
                       env=place.env, essential=not args.keep_going)
-        say(f"fedbus run: {cfg.algorithm.name} on {cfg.data.dataset}, "
-            f"{cfg.federation.clients} clients in {len(groups)} node(s) "
-            f"[{', '.join(sorted({p.label for p in placements}))}], broker {address}, "
-            f"run dir {run_dir}")
-        return supervise(fed, run_dir, cfg, quiet=args.quiet, say=say, interrupted=interrupted)
+        code = supervise(fed, run_dir, cfg, quiet=args.quiet, say=say, interrupted=interrupted)
     except KeyboardInterrupt:
         say("fedbus run: interrupted, stopping every process")
         return 130
     finally:
         fed.stop()
         restore()
+    if code == 0:
+        say(f"next: fedbus plot {run_dir}   fedbus replay {run_dir}   fedbus log {run_dir}")
+    return code
 
 
 def catch_interrupt():
@@ -222,22 +193,23 @@ def supervise(fed: Federation, run_dir: Path, cfg, *, quiet: bool, say,
                     continue  # a node leaves cleanly on the server's shutdown message
                 if child.essential:
                     progress.stop()
-                    print(f"fedbus run: {child.name} exited with code {child.proc.returncode}; "
-                          f"stopping the run. Last lines of {child.log}:\n{tail(child.log)}",
+                    print(f"fedbus run: {child.name} exited with code {child.proc.returncode}: "
+                          f"{cause(child.log)} (log: {child.log}); stopping the run",
                           file=sys.stderr)
                     return 1
-                say(f"fedbus run: {child.name} died (code {child.proc.returncode}); going on")
-            time.sleep(0.2)
+                say(f"fedbus run: {child.name} died (code {child.proc.returncode}): "
+                    f"{cause(child.log)}; going on")
+            time.sleep(0.05)
     code = server.proc.returncode
     if code != 0:
-        print(f"fedbus run: the server exited with code {code}. Last lines of "
-              f"{server.log}:\n{tail(server.log)}", file=sys.stderr)
+        print(f"fedbus run: the server exited with code {code}: {cause(server.log)} "
+              f"(log: {server.log})", file=sys.stderr)
         return 1
     # nodes leave on the server's shutdown message; give them a moment
     end = time.time() + 5
     while time.time() < end and not interrupted() and any(
             c.proc.poll() is None for c in fed.children if c.name.startswith("node")):
-        time.sleep(0.1)
+        time.sleep(0.02)
     summary_path = run_dir / "summary.json"
     if not quiet and summary_path.exists():
         print_summary(json.loads(summary_path.read_text()), run_dir)

@@ -41,7 +41,8 @@ def test_ctrl_c_stops_every_process(tmp_path):
 
 def test_a_dead_node_stops_the_run_and_names_it(tmp_path):
     proc, children = _start(tmp_path)
-    node = next(c for c in children if "node-1" in " ".join(c.cmdline()))
+    # exec'd children show their command line; forked ones their name (PR_SET_NAME)
+    node = next(c for c in children if "node-1" in " ".join([c.name(), *c.cmdline()]))
     node.kill()
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1
