@@ -53,21 +53,25 @@ SCHEMA: dict[str, dict[str, Opt]] = {
     },
     "data": {
         "dataset": Opt("digits", "digits, npz:PATH, mnist, fmnist, emnist, femnist, cifar10, "
-                       "cifar100, synthetic, mnist1d"),
+                       "cifar100, synthetic, mnist1d, digit5-offline:PATH, digit5, office10"),
         "data_dir": Opt("", "download/cache folder for online datasets (default ~/.cache/fedbus)"),
         "partition": Opt("nway-kshot", "nway-kshot, dirichlet, pathological, powerlaw, iid, "
-                         "natural or file:PATH.json"),
+                         "natural, domains, domains-dirichlet or file:PATH.json"),
         "test_fraction": Opt(0.25, "per-client test share", min=0.0, max=0.9),
         "ways": Opt(3, "nway-kshot: mean classes per client", min=1),
         "ways_std": Opt(2.0, "nway-kshot: stdev of classes per client", min=0.0),
         "shots": Opt(100, "nway-kshot: mean samples per class", min=1),
         "shots_std": Opt(10.0, "nway-kshot: stdev of samples per class", min=0.0),
-        "alpha": Opt(0.5, "dirichlet concentration", min=0.0),
-        "min_samples": Opt(10, "dirichlet and powerlaw: the fewest samples a client may get", min=0),
+        "alpha": Opt(0.5, "dirichlet and domains-dirichlet concentration", min=0.0),
+        "min_samples": Opt(10, "dirichlet, domains-dirichlet, powerlaw: fewest samples per "
+                           "client", min=0),
         "classes_per_client": Opt(2, "pathological: classes per client", min=1),
         "powerlaw_sigma": Opt(2.0, "powerlaw: lognormal sigma of client sizes", min=0.0),
         "synthetic_alpha": Opt(0.5, "FedProx synthetic: model heterogeneity", min=0.0),
         "synthetic_beta": Opt(0.5, "FedProx synthetic: data heterogeneity", min=0.0),
+        "image_size": Opt(0, "digit5, office10: image side in pixels (0 = 32)", min=0),
+        "domain_samples": Opt(0, "digit5, office10, digit5-offline: at most this many samples "
+                              "per domain, a fixed random subset (0 = all)", min=0),
     },
     "model": {
         "arch": Opt("cnn", "network for every client (see fedbus.models.ARCHS)"),

@@ -315,7 +315,7 @@ def test_federated_data_clients():
     assert set(DATA_DEFAULTS) == {
         "dataset", "data_dir", "partition", "test_fraction", "ways", "ways_std", "shots",
         "shots_std", "alpha", "min_samples", "classes_per_client", "powerlaw_sigma",
-        "synthetic_alpha", "synthetic_beta"}
+        "synthetic_alpha", "synthetic_beta", "image_size", "domain_samples"}
 
 
 def test_federated_data_synthetic_natural_and_file(tmp_path):

@@ -32,6 +32,16 @@ Names (``DATASETS``):
                      ``groups`` = the users (partition "natural").
     mnist1d          MNIST-1D generated offline: 5,000 samples [40] (param num_samples),
                      standardised as in the reference code.
+    digit5-offline:PATH  a Digit-5-like five-domain set built from the MNIST npz at PATH
+                     and sklearn's digits (mnist, inverted, rotated, textured, digits
+                     upsampled), 28x28 gray; ``groups`` = the domains. Param domain_samples.
+    digit5           the Digit-5 benchmark (MNIST, MNIST-M, SVHN, SynthDigits, USPS) from the
+                     Digit-Five .mat files in data_dir; [3, 32, 32]; ``groups`` = the domains.
+                     Params image_size, domain_samples.
+    office10         Office-Caltech-10 (amazon, caltech, dslr, webcam) from image folders in
+                     data_dir (Pillow); [3, 32, 32]; ``groups`` = the domains. Params
+                     image_size, domain_samples.
+                     (All three: see fedbus.node.data.domains; partition "domains".)
 """
 from __future__ import annotations
 
@@ -54,7 +64,8 @@ TORCHVISION = {
     "cifar10": ("CIFAR10", {}, 10),
     "cifar100": ("CIFAR100", {}, 100),
 }
-DATASETS = ("digits", "npz:PATH", *TORCHVISION, "synthetic", "mnist1d")
+DATASETS = ("digits", "npz:PATH", *TORCHVISION, "synthetic", "mnist1d", "digit5-offline:PATH",
+            "digit5", "office10")
 DEFAULT_DATA_DIR = "~/.cache/fedbus"
 
 
@@ -300,7 +311,10 @@ def _load_mnist1d(seed: int, num_samples: int = 5000) -> Dataset:
 
 # -------------------------------------------------------------------------------- dispatch
 _PARAMS = {"synthetic": {"synthetic_alpha", "synthetic_beta", "synthetic_iid"},
-           "mnist1d": {"num_samples"}}
+           "mnist1d": {"num_samples"},
+           "digit5-offline": {"domain_samples"},
+           "digit5": {"image_size", "domain_samples"},
+           "office10": {"image_size", "domain_samples"}}
 _CACHE: dict[tuple, Dataset] = {}
 _LOCK = threading.Lock()
 
@@ -309,9 +323,11 @@ def load_dataset(name: str, *, data_dir: str | None = None, seed: int = 0,
                  **params: Any) -> Dataset:
     """Load dataset ``name`` (see the module doc for names and params).
 
-    data_dir: download/cache folder of the torchvision datasets, and a second place to look
-        for a relative npz path (None or "" = ~/.cache/fedbus).
-    seed: seeds the generated datasets (synthetic, mnist1d); the others ignore it.
+    data_dir: download/cache folder of the torchvision datasets, the folder holding the
+        digit5 / office10 files, and a second place to look for a relative npz path (None or
+        "" = ~/.cache/fedbus).
+    seed: seeds the generated datasets (synthetic, mnist1d); the others ignore it (the
+        multi-domain sets are built with a fixed seed: fedbus.node.data.domains).
     Unknown name -> ValueError listing the valid names; a dataset that cannot be had here ->
     DatasetUnavailable (a RuntimeError) naming ``npz:PATH`` and ``--data-dir``.
     Results are cached per process (same arguments -> the same object).
@@ -320,8 +336,14 @@ def load_dataset(name: str, *, data_dir: str | None = None, seed: int = 0,
         raise ValueError(f"dataset name must be a non-empty string; valid names: "
                          f"{', '.join(DATASETS)}")
     name = name.strip()
-    base = "npz" if name.startswith("npz:") else name.lower()
-    if base not in ("digits", "npz", "synthetic", "mnist1d", *TORCHVISION):
+    if name.startswith("npz:"):
+        base = "npz"
+    elif name.lower().split(":", 1)[0] == "digit5-offline":
+        base = "digit5-offline"
+    else:
+        base = name.lower()
+    if base not in ("digits", "npz", "synthetic", "mnist1d", "digit5-offline", "digit5",
+                    "office10", *TORCHVISION):
         raise ValueError(f"unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")
     extra = set(params) - _PARAMS.get(base, set())
     if extra:
@@ -341,6 +363,16 @@ def load_dataset(name: str, *, data_dir: str | None = None, seed: int = 0,
         ds = _load_synthetic(int(seed), **params)
     elif base == "mnist1d":
         ds = _load_mnist1d(int(seed), **params)
+    elif base in ("digit5-offline", "digit5", "office10"):
+        from . import domains
+
+        if base == "digit5-offline":
+            ds = domains.load_digit5_offline(name.split(":", 1)[1] if ":" in name else "",
+                                             data_dir, **params)
+        elif base == "digit5":
+            ds = domains.load_digit5(data_dir, **params)
+        else:
+            ds = domains.load_office10(data_dir, **params)
     else:
         ds = _load_torchvision(base, data_dir)
     with _LOCK:

@@ -35,6 +35,8 @@ DATA_DEFAULTS: dict[str, Any] = {
     "powerlaw_sigma": 2.0,
     "synthetic_alpha": 0.5,
     "synthetic_beta": 0.5,
+    "image_size": 0,
+    "domain_samples": 0,
 }
 
 
@@ -67,10 +69,16 @@ def data_config(data_cfg: Mapping[str, Any] | None) -> dict[str, Any]:
 def dataset_from_config(cfg: Mapping[str, Any], seed: int) -> Dataset:
     """load_dataset() for a filled-in [data] table."""
     name = str(cfg["dataset"])
-    params = {}
-    if name.strip().lower() == "synthetic":
+    params: dict[str, Any] = {}
+    base = name.strip().lower()
+    if base == "synthetic":
         params = {"synthetic_alpha": float(cfg["synthetic_alpha"]),
                   "synthetic_beta": float(cfg["synthetic_beta"])}
+    elif base in ("digit5", "office10"):
+        params = {"image_size": int(cfg["image_size"]),
+                  "domain_samples": int(cfg["domain_samples"])}
+    elif base.split(":", 1)[0] == "digit5-offline":
+        params = {"domain_samples": int(cfg["domain_samples"])}
     return load_dataset(name, data_dir=cfg["data_dir"] or None, seed=int(seed), **params)
 
 

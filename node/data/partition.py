@@ -35,6 +35,17 @@ iid
 natural
     The dataset's own groups (FedProx synthetic: one user per client); needs
     num_clients <= number of groups (30 for synthetic): client i gets group i.
+domains -- feature skew (Digit-5, Office-Caltech-10; MP-FedCL's Tables V/VII)
+    The dataset's groups are its domains (digit5-offline, digit5, office10, an npz with
+    ``groups``). Client i draws from domain i % D only (round-robin: with D clients each
+    holds one whole domain; with num_clients >= D every domain is used; with fewer, the last
+    domains go unused and a warning says so). A domain's samples are shuffled and cut into
+    near-equal parts, one per client assigned to it (IID within the domain), so every client
+    sees the dataset's whole label space. ``ClientSplit.meta`` records "domain" and
+    "domain_name".
+domains-dirichlet (alpha, min_samples)
+    As domains, but within each domain the samples are shared among its clients by the
+    dirichlet scheme above (label skew on top of feature skew; min_samples per client).
 file:PATH.json
     An explicit partition (see save_partition); num_clients must match the file.
 
@@ -50,13 +61,15 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
 from .datasets import Dataset
 
-SCHEMES = ("nway-kshot", "dirichlet", "pathological", "powerlaw", "iid", "natural", "file:PATH")
+SCHEMES = ("nway-kshot", "dirichlet", "pathological", "powerlaw", "iid", "natural", "domains",
+           "domains-dirichlet", "file:PATH")
 PARAMS: dict[str, dict[str, Any]] = {
     "nway-kshot": {"ways": 3, "ways_std": 2.0, "shots": 100, "shots_std": 10.0},
     "dirichlet": {"alpha": 0.5, "min_samples": 10},
@@ -64,6 +77,8 @@ PARAMS: dict[str, dict[str, Any]] = {
     "powerlaw": {"powerlaw_sigma": 2.0, "min_samples": 10},
     "iid": {},
     "natural": {},
+    "domains": {},
+    "domains-dirichlet": {"alpha": 0.5, "min_samples": 10},
     "file": {},
 }
 MAX_DIRICHLET_TRIES = 1000
@@ -270,6 +285,46 @@ def _powerlaw(ds: Dataset, num_clients: int, rng: np.random.Generator, powerlaw_
     return np.split(perm, np.cumsum(sizes)[:-1])
 
 
+# ------------------------------------------------------------------------------- domains
+def _domains(ds: Dataset, num_clients: int, rng: np.random.Generator, *, dirichlet: bool,
+             alpha: float = 0.5, min_samples: int = 10
+             ) -> tuple[list[np.ndarray], list[dict[str, Any]]]:
+    scheme = "domains-dirichlet" if dirichlet else "domains"
+    if not ds.groups:
+        raise ValueError(f"partition {scheme!r} needs a dataset with domains (digit5-offline, "
+                         f"digit5, office10, or an npz with 'groups'); {ds.name} has none")
+    if dirichlet and alpha <= 0:
+        raise ValueError(f"{scheme}: alpha must be > 0, got {alpha}")
+    groups = [np.asarray(g, dtype=np.int64) for g in ds.groups]
+    every = np.concatenate(groups)
+    if len(np.unique(every)) != len(every):
+        raise ValueError(f"partition {scheme!r}: the groups (domains) of {ds.name} overlap")
+    D = len(groups)
+    names = list(ds.meta.get("domains") or [str(d) for d in range(D)])
+    if num_clients < D:
+        warnings.warn(f"{scheme} on {ds.name}: {num_clients} clients for {D} domains; "
+                      f"domains {', '.join(names[num_clients:])} go unused", stacklevel=3)
+    pieces: list[np.ndarray] = [np.empty(0, np.int64)] * num_clients
+    metas: list[dict[str, Any]] = [{} for _ in range(num_clients)]
+    for d in range(min(D, num_clients)):
+        clients = list(range(d, num_clients, D))
+        idx = groups[d]
+        if len(idx) < len(clients):
+            raise ValueError(f"{scheme}: domain {names[d]!r} of {ds.name} has {len(idx)} "
+                             f"samples for {len(clients)} clients; use fewer clients")
+        if dirichlet and len(clients) > 1:
+            sub = SimpleNamespace(y=ds.y[idx], num_classes=ds.num_classes,
+                                  name=f"{ds.name} domain {names[d]!r}")
+            chunks = [idx[local] for local in _dirichlet(sub, len(clients), rng, alpha,
+                                                          min_samples)]
+        else:
+            chunks = np.array_split(rng.permutation(idx), len(clients))
+        for i, chunk in zip(clients, chunks):
+            pieces[i] = chunk
+            metas[i] = {"domain": d, "domain_name": names[d]}
+    return pieces, metas
+
+
 # ------------------------------------------------------------------------------ dispatch
 def make_partition(ds: Dataset, *, scheme: str, num_clients: int, seed: int,
                    test_fraction: float = 0.25, **params: Any) -> list[ClientSplit]:
@@ -277,7 +332,8 @@ def make_partition(ds: Dataset, *, scheme: str, num_clients: int, seed: int,
 
     scheme: "nway-kshot" (ways, ways_std, shots, shots_std), "dirichlet" (alpha,
         min_samples), "pathological" (classes_per_client), "powerlaw" (powerlaw_sigma,
-        min_samples), "iid", "natural", "file:PATH" (see the module doc). Unknown scheme or
+        min_samples), "iid", "natural", "domains", "domains-dirichlet" (alpha, min_samples),
+        "file:PATH" (see the module doc). Unknown scheme or
         parameter -> ValueError. Missing params take the [data] config defaults.
     seed: every random choice comes from ``numpy.random.default_rng(seed)``.
     test_fraction: the per-client test share (0.25: PFLlib/HtFLlib's 75/25).
@@ -302,6 +358,12 @@ def make_partition(ds: Dataset, *, scheme: str, num_clients: int, seed: int,
     rng = np.random.default_rng(seed)
     if scheme == "nway-kshot":
         return _nway_kshot(ds, num_clients, rng, test_fraction, **p)
+    if scheme in ("domains", "domains-dirichlet"):
+        pieces, metas = _domains(ds, num_clients, rng, dirichlet=scheme != "domains", **p)
+        out = [_split_train_test(idx, test_fraction, rng) for idx in pieces]
+        for part, meta in zip(out, metas):
+            part.meta = meta
+        return out
     if scheme == "natural":
         if not ds.groups:
             raise ValueError(f"partition 'natural' needs a dataset with natural groups "
