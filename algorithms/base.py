@@ -115,9 +115,12 @@ class ServerHandler:
         return self.make_task(client, info)
 
     def aggregate(self, updates: list[ClientUpdate], failures: list[Failure],
-                  info: RoundInfo) -> dict[str, float]:
+                  info: RoundInfo) -> dict[str, Any]:
         """Fold updates into the global state. `updates` may be empty (every
-        sampled client failed); return scalar metrics worth logging."""
+        sampled client failed); return scalar metrics worth logging (the
+        record's "agg"). A value that is a dict or a list (plain JSON: str
+        keys, Python numbers), e.g. one value per client, goes to the record's
+        "agg_extra" instead."""
         raise NotImplementedError
 
     def update_spec(self) -> dict[str, tuple[str, tuple[int | None, ...]]]:

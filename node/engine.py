@@ -422,7 +422,9 @@ class Engine:
     def _aggregate(self, updates: list[ClientUpdate], failures: list[Failure],
                    window: RoundState, now: float) -> dict[str, Any]:
         info = RoundInfo(self.version, self.rounds)
-        metrics = self.handler.aggregate(updates, failures, info)
+        metrics = self.handler.aggregate(updates, failures, info) or {}
+        # Scalars go to "agg"; a dict or list value (e.g. one number per client) to "agg_extra".
+        extra = {k: v for k, v in metrics.items() if isinstance(v, (dict, list))}
         self.version += 1
         reasons = [f.reason for f in failures]
         works = [u.work.fraction for u in updates]
@@ -437,7 +439,8 @@ class Engine:
                 "participants": sorted(u.client for u in updates),
                 "partial_clients": sorted(u.client for u in updates if u.work.fraction < 1.0),
                 "failures": {str(f.client): f.reason for f in failures},
-                "agg": {k: float(v) for k, v in (metrics or {}).items()}}
+                "agg": {k: float(v) for k, v in metrics.items() if k not in extra},
+                **({"agg_extra": extra} if extra else {})}
 
     def _after_aggregation(self, record: dict[str, Any], now: float) -> list[Out]:
         out: list[Out] = []
