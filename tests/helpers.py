@@ -8,13 +8,18 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
+
+import pytest
 
 from fedbus.bench.common import write_toml as write_config
 
 REPO = Path(__file__).resolve().parents[1]
 MNIST_NPZ = Path(os.environ.get("FEDBUS_MNIST_NPZ", REPO.parent / "shared/data/mnist-10k.npz"))
+needs_mnist = pytest.mark.skipif(not MNIST_NPZ.is_file(),
+                                 reason=f"real MNIST subset not found at {MNIST_NPZ} "
+                                        f"(set FEDBUS_MNIST_NPZ)")
 
 # A small, fast federation on real data (scikit-learn's digits).
 SMALL = {

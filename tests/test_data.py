@@ -3,15 +3,14 @@
 and FederatedData."""
 from __future__ import annotations
 
-import os
 import sys
 import time
 import types
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import MNIST_NPZ, needs_mnist
 
 from fedbus.node.data import (
     DATA_DEFAULTS,
@@ -28,11 +27,6 @@ from fedbus.node.data.synthetic import generate_synthetic, softmax
 
 torch.set_num_threads(1)
 
-REPO = Path(__file__).resolve().parents[1]
-MNIST_NPZ = Path(os.environ.get("FEDBUS_MNIST_NPZ") or REPO.parent / "shared/data/mnist-10k.npz")
-needs_mnist = pytest.mark.skipif(not MNIST_NPZ.is_file(),
-                                 reason=f"real MNIST subset not found at {MNIST_NPZ} "
-                                        f"(set FEDBUS_MNIST_NPZ)")
 TV_NAMES = ["mnist", "fmnist", "emnist", "femnist", "cifar10", "cifar100"]
 
 

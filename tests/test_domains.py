@@ -3,7 +3,6 @@ scikit-learn's digits; the digit5 and office10 loaders, on small fake file layou
 here) and the ``domains`` / ``domains-dirichlet`` partitions, plus one real federation."""
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import MNIST_NPZ, needs_mnist
 
 from fedbus.node.config import ConfigError, build_config
 from fedbus.node.data import (
@@ -26,11 +26,6 @@ from fedbus.node.data import domains as dm
 
 torch.set_num_threads(1)
 
-REPO = Path(__file__).resolve().parents[1]
-MNIST_NPZ = Path(os.environ.get("FEDBUS_MNIST_NPZ") or REPO.parent / "shared/data/mnist-10k.npz")
-needs_mnist = pytest.mark.skipif(not MNIST_NPZ.is_file(),
-                                 reason=f"real MNIST subset not found at {MNIST_NPZ} "
-                                        f"(set FEDBUS_MNIST_NPZ)")
 OFFLINE = f"digit5-offline:{MNIST_NPZ}"
 
 

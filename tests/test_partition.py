@@ -6,13 +6,12 @@ import argparse
 import io
 import json
 import math
-import os
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import MNIST_NPZ, needs_mnist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -28,11 +27,6 @@ from fedbus.node.data import (
 
 torch.set_num_threads(1)
 
-REPO = Path(__file__).resolve().parents[1]
-MNIST_NPZ = Path(os.environ.get("FEDBUS_MNIST_NPZ") or REPO.parent / "shared/data/mnist-10k.npz")
-needs_mnist = pytest.mark.skipif(not MNIST_NPZ.is_file(),
-                                 reason=f"real MNIST subset not found at {MNIST_NPZ} "
-                                        f"(set FEDBUS_MNIST_NPZ)")
 
 
 @pytest.fixture(scope="module")
