@@ -1,30 +1,52 @@
 """FedAvg-proto: FedAvg training, prototype inference after the last round.
 
 Qiao, Park, Kang, Hong, "Prototype Helps Federated Learning: Towards Faster
-Convergence" (arXiv:2303.12296, 2023). Training is plain FedAvg (inherited
-from `FedAvgServer` / `FedAvgClient`, staleness weights included). Only the
-last global iteration changes: after local training each client also computes
-its local prototypes, the per-class mean features of its training data (the
-paper's local-prototype definition, the same as FedProto's eq. 5); the server
-aggregates them per class, weighted by the clients' class counts (times the
-engine's staleness weight), and sends the global prototypes back; each client
-then classifies a test sample by the nearest global prototype (L2) in the
-feature space of its own model.
+Convergence" (arXiv:2303.12296, 2023), Algorithm 1 ("ProtoFed") and eqs. 1-4.
+No reference code is published; the equation-by-equation audit, with the
+paper's settings and numbers, is docs/fidelity/fedavg-proto.md.
+
+Training is plain FedAvg (eq. 1, inherited from `FedAvgServer` /
+`FedAvgClient`: sample-count-weighted averaging, staleness weights included).
+Only the last global iteration t = T changes (Algorithm 1 lines 5-7): after
+its local update each client also computes its local prototypes (eq. 2, the
+per-class mean features y~_i,j of its training data D_i,j, FedProto's
+definition) and sends them with its model update; the server averages the
+weights as usual and the prototypes per class (eq. 3), and sends both back;
+each client then classifies a test sample x by the nearest aggregated
+prototype (eq. 4, Algorithm 1 lines 13-19):
+    y^ = argmin_j || f_e(w_e; x) - y-bar_j ||_2   over the classes j in {y-bar}.
+
+PARAMS (defaults = the paper):
+- `aggregate` (eq. 3): "mean" (default): y-bar_j is the plain average of the
+  prototypes of the clients that have class j ("average the prototypes from
+  those clients with j-th class"; eq. 3 as printed divides by |phi|, the number
+  of all clients, which the sentence after it corrects), each weighed only by
+  the engine's staleness weight (1 when fresh); "weighted": weighed by the
+  clients' class counts |D_i,j| as well (FedProto's eq. 6; fedbus's default
+  before the audit).
+- `infer_model` (eq. 4): "global" (default; Sec. II-B: "the aggregated
+  prototypes and the latest model parameters are then sent back to local
+  clients for model inferences", and f_e(w_e; .) is the shared model of
+  Sec. II-A): the features of the aggregated global model, the one the eval
+  task carries; "local": the client's own post-training model, the one that
+  computed its prototypes (eq. 2).
+- `every_round` (default False: prototypes are computed, uploaded and
+  aggregated in the last round only, Algorithm 1 lines 5-9). True does it every
+  round, for the per-round proto-accuracy curves of the paper's figures
+  ("we perform prototype-based model inference in each round during training",
+  Sec. III-C).
 
 On the bus:
-- task: {"weights": ..., "send_protos": bool}; send_protos is True in the last
-  round (RoundInfo.last), or every round with PARAM `every_round` = True (the
-  per-round proto-accuracy curves of the paper's figures);
+- task: {"weights": ..., "send_protos": bool};
 - update: {"delta": ...} plus, when asked, {"protos": float32 [C, D],
-  "counts": int64 [C]} computed after local training (one eval-mode pass);
+  "counts": int64 [C]} computed after local training (one eval-mode pass over
+  the training data with the client's post-training model);
 - eval: {"weights", "protos": float32 [C, D], "has": bool [C]}. "acc" is the
-  global model's head (as FedAvg), "proto_acc" is nearest-global-prototype
-  inference with the client's own post-training model (the model that made its
-  prototypes, as in the paper), nan before any prototype exists.
+  global model's head (as FedAvg), "proto_acc" is eq. 4 with the model
+  `infer_model` names, nan before any prototype exists.
 Global prototypes persist across aggregations; a class nobody sent keeps its
-previous prototype.
-
-PARAMS: every_round (default False: upload prototypes in the last round only).
+previous prototype (only matters with `every_round` and partial participation:
+the paper has every client in its last round).
 """
 from __future__ import annotations
 
@@ -35,8 +57,9 @@ import numpy as np
 import torch
 
 from fedbus.algorithms import Algorithm
-from fedbus.algorithms.base import ClientUpdate, Failure, LocalRun, RoundInfo, to_tensor
-from fedbus.algorithms.fedavg import FedAvgClient, FedAvgServer
+from fedbus.algorithms.base import (ClientUpdate, Failure, LocalRun, RoundInfo, head_metrics,
+                                    to_tensor)
+from fedbus.algorithms.fedavg import FedAvgClient, FedAvgServer, swapped_weights
 from fedbus.algorithms.local import opt
 from fedbus.algorithms.protos import (aggregate_prototypes, local_prototypes, merge_prototypes,
                                       prototype_accuracy)
@@ -45,7 +68,13 @@ from fedbus.algorithms.protos import (aggregate_prototypes, local_prototypes, me
 class FedAvgProtoServer(FedAvgServer):
     PARAMS: ClassVar[dict[str, Any]] = {
         "every_round": opt(False, "upload and evaluate prototypes every round (the paper's "
-                           "curves), not only in the last round"),
+                           "curves), not only in the last round (Algorithm 1)"),
+        "aggregate": opt("mean", "per-class prototype aggregation: mean = eq. 3 (plain average "
+                         "over the clients with the class); weighted = by class counts "
+                         "|D_i,j| (FedProto's eq. 6)", choices=("mean", "weighted")),
+        "infer_model": opt("global", "whose features eq. 4 compares with the prototypes: "
+                           "global = the latest aggregated model (Sec. II-B); local = the "
+                           "client's own post-training model", choices=("global", "local")),
     }
 
     def __init__(self, ctx):
@@ -78,7 +107,8 @@ class FedAvgProtoServer(FedAvgServer):
             mean, mass = aggregate_prototypes(
                 np.stack([np.asarray(u.payload["protos"]) for u in with_protos]),
                 np.stack([np.asarray(u.payload["counts"]) for u in with_protos]),
-                np.array([u.weight for u in with_protos], dtype=np.float64), by_count=True)
+                np.array([u.weight for u in with_protos], dtype=np.float64),
+                by_count=self.param("aggregate") == "weighted")
             self.protos, self.has = merge_prototypes(self.protos, self.has, mean, mass > 0, True)
             metrics["proto_updates"] = float(len(with_protos))
         metrics["classes"] = float(self.has.sum())
@@ -100,7 +130,7 @@ class FedAvgProtoClient(FedAvgClient):
         payload = super().train(task, run)
         if task.get("send_protos"):
             ctx = self.ctx
-            if len(ctx.train_y):
+            if len(ctx.train_y):  # eq. 2 with the post-training local model
                 protos, counts = local_prototypes(ctx.model, ctx.train_x, ctx.train_y,
                                                   ctx.num_classes)
             else:
@@ -110,11 +140,19 @@ class FedAvgProtoClient(FedAvgClient):
         return payload
 
     def evaluate(self, task: Mapping[str, Any]) -> dict[str, float]:
-        out = super().evaluate(task)  # the global model's head; local weights restored
+        """The global model's head ("acc") and eq. 4 ("proto_acc") with the model
+        PARAM infer_model names; the client's own weights are restored."""
         ctx = self.ctx
-        out["proto_acc"] = prototype_accuracy(
-            ctx.model, ctx.test_x, ctx.test_y, to_tensor(task["protos"], ctx.device, torch.float32),
-            to_tensor(task["has"], ctx.device, torch.bool))
+        protos = to_tensor(task["protos"], ctx.device, torch.float32)
+        has = to_tensor(task["has"], ctx.device, torch.bool)
+        on_global = self.param("infer_model") == "global"
+        with swapped_weights(ctx.model, task["weights"]):
+            out = head_metrics(ctx.model, ctx.test_x, ctx.test_y)
+            if on_global:
+                out["proto_acc"] = prototype_accuracy(ctx.model, ctx.test_x, ctx.test_y,
+                                                      protos, has)
+        if not on_global:
+            out["proto_acc"] = prototype_accuracy(ctx.model, ctx.test_x, ctx.test_y, protos, has)
         return out
 
 

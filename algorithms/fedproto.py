@@ -3,59 +3,79 @@
 Tan, Long, Liu, Zhou, Lu, Jiang, Zhang, "FedProto: Federated Prototype
 Learning across Heterogeneous Clients", AAAI 2022 (arXiv:2105.00243).
 Reference code: github.com/yuetan031/FedProto (lib/update.py
-`update_weights_het`, lib/utils.py `agg_func` / `proto_aggregation`,
-`test_inference_new_het_lt`).
+`update_weights_het`, `test_inference_new_het_lt`; lib/utils.py `agg_func`,
+`proto_aggregation`). The equation-by-equation audit, with the paper's
+settings and numbers: docs/fidelity/fedproto.md.
 
 Only class prototypes travel; every client keeps its own network, so clients
 may run different architectures as long as `features()` has one dimension D.
+Defaults follow the paper; where the reference code differs, its behaviour is
+a named option. Equation numbers are the main text's:
 
-Client i, per task (equation numbers as in the paper):
-- local objective (eq. 8): CE(head(f(x)), y) + lam * R, where R pulls the
-  embeddings towards the global prototypes C-bar of their classes. Two forms,
-  PARAM `proto_loss`:
-    "mse"   (default; the reference code): nn.MSELoss between the batch's
-            features and, row by row, the global prototype of each sample's
-            class; samples whose class has no global prototype keep their own
-            feature as target (they add 0 but still count in the mean over
-            B x D elements, exactly as the code's `proto_new` copy does);
-    "paper" (eq. 8 as written): the sum over the classes k in the batch that
-            have a global prototype of ||C_i,k - C-bar_k||_2, where C_i,k is
-            the batch's mean feature of class k.
-  Before any global prototype exists (round 0) R = 0, as in the code.
-- local prototypes (eq. 5): C_i,k = mean of f(x) over the client's training
-  samples of class k. PARAM `proto_source`:
-    "after"  (default; eq. 5, and PFLlib/FedTGP's `collect_protos`): one extra
-             pass over the training data after local training, eval mode;
-    "during" (the reference code): the mean of the features the training
-             steps computed (all local epochs, train mode), with no extra pass.
+Client i, per task:
+- local loss (eq. 7): CE(head(f(x)), y) + lam * L_R, PARAM `lam` (default 1.0:
+  the paper's best for MNIST and FEMNIST, 0.1 for CIFAR-10; the code's `--ld`).
+  L_R, PARAM `proto_loss`:
+    "paper" (default; eq. 8 with the L2 distance the paper says it uses, and
+            Algorithm 1 LocalUpdate lines 3-4: "compute local prototype by
+            eq. 3, compute loss by eq. 7 using local prototypes"): the sum,
+            over the classes k of the minibatch that have a global prototype,
+            of ||C_i,k - C-bar_k||_2, C_i,k the minibatch's mean feature of
+            class k (gradients flow through the mean);
+    "mse"   (the reference code): nn.MSELoss between the batch's features and,
+            row by row, the global prototype of each sample's class; samples
+            whose class has no global prototype keep their own feature as
+            target (they add 0 but still count in the mean over B x D
+            elements, as the code's `proto_new` copy does). This is also the
+            appendix's per-sample loss lam * ||f(x) - C-bar||_2^2 (its eq. 1)
+            averaged over the batch, with lam divided by D.
+  Before any global prototype exists (round 0) L_R = 0, as in the code (the
+  paper's Algorithm 1 line 1 initialises the global set without saying how).
+  The paper's lam values were tuned with the code's "mse"; eq. 8's unsquared
+  L2 pulls much harder, and at lam = 1 it costs ~8 points on offline MNIST
+  (docs/fidelity/fedproto.md): to reproduce the published numbers use
+  proto_loss = "mse", or "paper" with a smaller lam (0.1 did as well there).
+- local prototypes (eq. 3): C_i,k = mean of f_i(x) over the client's training
+  samples D_i,k of class k. PARAM `proto_source`:
+    "after"  (default; eq. 3 over the whole D_i,k with the model the task
+             returns, Algorithm 1 LocalUpdate line 8): one extra pass over the
+             training data after local training, eval mode;
+    "during" (the reference code's `agg_protos_label` + `agg_func`): the mean of
+             the features the training steps of the *last* local epoch computed
+             (train mode, no extra pass; the code resets its collection at
+             every epoch). A run cut short mid-epoch (time budget, partial
+             work) uses its last complete epoch, or the partial one when no
+             epoch completed.
   The update is {"protos": float32 [C, D], "counts": int64 [C]}; counts are the
   client's training-set class sizes |D_i,k| (0 = class absent, zero row).
-- inference: the class of the nearest global prototype by L2 (the code uses the
-  MSE, which ranks identically). PARAM `infer_classes`:
-    "all" (default; the paper's rule, PFLlib, FedTGP): over every class with a
-          global prototype;
-    "own" (the reference code's `test_inference_new_het_lt`): only over the
-          classes in the client's own training set.
-  "all" is the default because "own" uses the client's label set at test time
-  (a one-class client scores 100%) and makes proto_acc incomparable with the
-  other prototype methods here. evaluate() returns acc (the head), proto_acc,
-  loss (head cross-entropy), num_test.
+- inference (eq. 4): the class of the nearest global prototype by L2 (the code
+  ranks by the MSE, which orders identically). PARAM `infer_classes`:
+    "all" (default; eq. 4's argmin over the classes, PFLlib, FedTGP): every
+          class with a global prototype;
+    "own" (the reference code's `test_inference_new_het_lt`): only the classes
+          in the client's own training set (this uses the client's label set
+          at test time: a one-class client scores 100%).
+  Inference uses the client's own (post-training) model, as the paper and the
+  code. evaluate() returns acc (the head), proto_acc (eq. 4), loss (head
+  cross-entropy), num_test.
 
 Server, per aggregation (eq. 6): for each class k, a weighted mean over the
-clients that have it, each weighed by the engine's staleness weight s_i times
-    "mean"     (default; the reference code's `proto_aggregation`): 1;
-    "weighted" (eq. 6): |D_i,k| / N_k, i.e. the count-weighted mean;
-PARAM `aggregate`. The code's unweighted mean is the default: it is what the
-published numbers were produced with, and on the n-way k-shot partitions of
-the paper (similar shots per class) the two barely differ.
+clients that sent it, each weighed by the engine's staleness weight s_i
+(1 when fresh) times, PARAM `aggregate`:
+    "weighted" (default; eq. 6, and the objective's eq. 5 weights): |D_i,k|/N_k,
+               the count-weighted mean. Eq. 6 as printed also carries a factor
+               1/|N_j| in front of the sum; with weights |D_i,k|/N_k that
+               already sum to 1 (appendix eq. 2-3: sum_i q_i = 1) that factor
+               would shrink every prototype towards 0, so it is read as a typo;
+    "mean"     (the reference code's `proto_aggregation`): 1, the unweighted
+               mean over the clients that have the class.
 PARAM `keep_missing` (default True): a class nobody sent in this aggregation
-keeps its previous global prototype. The reference code instead replaces the
-whole set with what it received each round (keep_missing = False), which with
-partial participation or asynchronous buffers forgets classes whose holders
-were not sampled; with full participation the two coincide.
+keeps its previous global prototype. The paper (full participation) does not
+say; the code replaces the whole set with what it received each round
+(keep_missing = False), which with partial participation or asynchronous
+buffers forgets classes whose holders were not sampled. With every client in
+every round (the paper's setting) the two coincide.
 The task is {"protos": float32 [C, D], "has": bool [C]}.
-
-PARAM `lam` (default 1.0, the code's `--ld`).
 """
 from __future__ import annotations
 
@@ -73,6 +93,8 @@ from fedbus.algorithms.local import LocalClient, Params, opt, staleness_metrics
 from fedbus.algorithms.protos import (aggregate_prototypes, class_means, class_sums,
                                       local_prototypes, merge_prototypes, prototype_accuracy)
 
+# Public declarations other modules have imported (FedTGP did, with its reference code's
+# MSE default): kept, with their defaults, for importers. FedProto's own PARAMS are below.
 PROTO_LOSS = opt("mse", "client regulariser: mse = reference code (per-sample MSE to the "
                  "class's global prototype); paper = eq. 8 (sum over classes of the L2 distance "
                  "between batch class means and global prototypes)", choices=("mse", "paper"))
@@ -83,17 +105,23 @@ INFER_CLASSES = opt("all", "nearest-prototype inference over all classes with a 
 
 class FedProtoServer(Params, ServerHandler):
     PARAMS: ClassVar[dict[str, Any]] = {
-        "lam": opt(1.0, "weight of the prototype regulariser (the code's --ld)", min=0.0),
-        "proto_loss": PROTO_LOSS,
-        "aggregate": opt("mean", "per-class mean over clients: mean = reference code "
-                         "(unweighted), weighted = eq. 6 (by class counts |D_i,k|)",
-                         choices=("mean", "weighted")),
+        "lam": opt(1.0, "weight lambda of the prototype regulariser, eq. 7 (the paper's best "
+                   "for MNIST/FEMNIST; 0.1 for CIFAR-10; the code's --ld)", min=0.0),
+        "proto_loss": opt("paper", "client regulariser L_R: paper = eqs. 7-8 and Algorithm 1 "
+                          "(sum over the batch's classes of the L2 distance between the batch "
+                          "class mean and the global prototype); mse = reference code "
+                          "(nn.MSELoss of each feature to its class's global prototype)",
+                          choices=("paper", "mse")),
+        "aggregate": opt("weighted", "per-class mean over clients: weighted = eq. 6 (by class "
+                         "counts |D_i,k|/N_k); mean = reference code (unweighted)",
+                         choices=("weighted", "mean")),
         "keep_missing": opt(True, "classes nobody sent keep their previous global prototype "
                             "(False = the code: replace the set every round)"),
         "infer_classes": INFER_CLASSES,
-        "proto_source": opt("after", "local prototypes: after = eq. 5 (extra pass after "
-                            "training), during = reference code (mean of the training-step "
-                            "features)", choices=("after", "during")),
+        "proto_source": opt("after", "local prototypes: after = eq. 3 (extra eval-mode pass "
+                            "over the training data after training); during = reference code "
+                            "(mean of the last local epoch's training-step features)",
+                            choices=("after", "during")),
     }
 
     def __init__(self, ctx):
@@ -146,6 +174,9 @@ class FedProtoClient(LocalClient):
         self._global: torch.Tensor | None = None
         self._has: torch.Tensor | None = None
         self._reg = False
+        self._sums, self._seen = self._zero_sums()
+        self._done: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._step, self._epoch, self._per_epoch = 0, 0, 1
         self.configure()
 
     def configure(self) -> None:
@@ -163,15 +194,36 @@ class FedProtoClient(LocalClient):
     def train(self, task: Mapping[str, Any], run: LocalRun) -> dict[str, Any]:
         self._global, self._has = self.global_protos(task)
         self._reg = self.lam > 0 and bool(self._has.any())
-        c, d = self.num_classes, self._global.shape[1]
-        self._sums = torch.zeros(c, d, device=self.ctx.device)
-        self._seen = torch.zeros(c, dtype=torch.int64, device=self.ctx.device)
+        # proto_source = "during": running class sums of the current local epoch,
+        # the sums of the last completed one, and where the run is.
+        self._sums, self._seen = self._zero_sums()
+        self._done = None
+        self._step, self._epoch, self._per_epoch = 0, 0, run.steps_per_epoch()
         try:
             self.run_local(run)
             protos, counts = self.local_protos()
         finally:
             self._global = self._has = None
         return self.update_payload(protos, counts)
+
+    def _zero_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self._global.shape[1] if self._global is not None else self.ctx.feature_dim
+        return (torch.zeros(self.num_classes, d, device=self.ctx.device),
+                torch.zeros(self.num_classes, dtype=torch.int64, device=self.ctx.device))
+
+    def _collect(self, h: torch.Tensor, y: torch.Tensor) -> None:
+        """proto_source = "during": add one training step's features to the current
+        epoch's class sums. The code (update.py `update_weights_het`) empties its
+        collection at the start of every local epoch, so only the last epoch counts."""
+        epoch = self._step // self._per_epoch
+        if epoch != self._epoch:  # a new epoch begins: the one before it completed
+            self._done = (self._sums, self._seen)
+            self._sums, self._seen = self._zero_sums()
+            self._epoch = epoch
+        s, n = class_sums(h.detach().float(), y, self.num_classes)
+        self._sums += s
+        self._seen += n
+        self._step += 1
 
     def update_payload(self, protos: np.ndarray, counts: np.ndarray) -> dict[str, Any]:
         return {"protos": protos, "counts": counts}
@@ -183,9 +235,7 @@ class FedProtoClient(LocalClient):
         if self._reg:
             loss = loss + self.lam * self.proto_reg(h, y)
         if self.proto_source == "during":
-            s, n = class_sums(h.detach().float(), y, self.num_classes)
-            self._sums += s
-            self._seen += n
+            self._collect(h, y)
         return loss
 
     def proto_reg(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -208,13 +258,16 @@ class FedProtoClient(LocalClient):
         if len(ctx.train_y) == 0:
             return (np.zeros((self.num_classes, d), np.float32),
                     np.zeros(self.num_classes, np.int64))
-        if self.proto_source == "during" and bool((self._seen > 0).any()):
-            seen = self._seen > 0
-            protos = self._sums / self._seen.clamp(min=1).unsqueeze(1).float()
-            counts = torch.where(seen, self.train_counts, torch.zeros_like(self.train_counts))
+        if self.proto_source == "during" and self._step > 0:
+            sums, seen = self._sums, self._seen
+            if self._step % self._per_epoch and self._done is not None:
+                sums, seen = self._done  # cut mid-epoch: the last complete epoch
+            protos = sums / seen.clamp(min=1).unsqueeze(1).float()
+            counts = torch.where(seen > 0, self.train_counts,
+                                 torch.zeros_like(self.train_counts))
             return (protos.cpu().numpy().astype(np.float32),
                     counts.cpu().numpy().astype(np.int64))
-        # "after", or "during" when the run made no step (nothing seen): eq. 5.
+        # "after", or "during" when the run made no step (nothing seen): eq. 3.
         return local_prototypes(ctx.model, ctx.train_x, ctx.train_y, self.num_classes)
 
     # -- evaluation ----------------------------------------------------------------

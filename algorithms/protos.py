@@ -85,7 +85,8 @@ def aggregate_prototypes(protos: np.ndarray, counts: np.ndarray,
     the class; its row is ignored), weights [N] per client (e.g. the engine's
     staleness weight; default 1). Client i's prototype of class k weighs
     a_ik = w_i * counts_ik when `by_count` (FedProto eq. 6's |D_i,k| / N_k),
-    else w_i * [counts_ik > 0] (the unweighted mean of the reference codes).
+    else w_i * [counts_ik > 0] (the unweighted mean over the clients that have
+    the class: Qiao et al.'s eq. 3, and FedProto's reference code).
     Returns (mean float32 [C, D], zero rows for classes nobody has;
     mass float64 [C] = sum_i a_ik, > 0 exactly where the class is present)."""
     p = np.asarray(protos, dtype=np.float64)

@@ -1,8 +1,10 @@
-"""fedproto and fedavg-proto: prototype aggregation by hand (weighted and
-unweighted, staleness, the "has" mask, keep_missing), the client regularisers
-by hand, prototypes and update spec from a real LocalRun, nearest-prototype
-inference, heterogeneous models, Qiao's final-round prototype upload, and short
-in-process federations on scikit-learn's digits."""
+"""fedproto (Tan et al., AAAI 2022; audit: docs/fidelity/fedproto.md): the defaults are
+the paper's; prototype aggregation by hand (eq. 6 count-weighted, the code's unweighted
+mean, staleness, the "has" mask, keep_missing), the client regularisers by hand (eqs. 7-8
+on a hand-made two-dimensional network, the code's MSE), local prototypes (eq. 3, and the
+code's last-epoch training features), nearest-prototype inference (eq. 4, all vs own
+classes), heterogeneous models, and short in-process federations on scikit-learn's digits.
+fedavg-proto (Qiao et al.) is tested in test_algo_fedavg_proto.py."""
 from __future__ import annotations
 
 import math
@@ -10,13 +12,13 @@ import math
 import numpy as np
 import pytest
 import torch
-from algo_support import (C, D, check_spec, client_ctx, digits_parts, freeze, server_ctx,
-                          simulate, update)
+from algo_support import (C, D, TRAIN, check_spec, client_ctx, digits_parts, freeze,
+                          server_ctx, simulate, update)
 from sklearn.datasets import load_digits
 from torch import nn
 
 from fedbus.algorithms import get_algorithm
-from fedbus.algorithms.base import Failure, LocalRun, RoundInfo
+from fedbus.algorithms.base import ClientContext, Failure, LocalRun, RoundInfo
 
 torch.set_num_threads(1)
 
@@ -41,28 +43,51 @@ def test_fedproto_spec_and_initial_task():
     assert task["has"].dtype == bool and not task["has"].any()
 
 
+def test_fedproto_defaults_follow_the_paper():
+    from fedbus.algorithms.fedproto import INFER_CLASSES, PROTO_LOSS, FedProtoServer
+    from fedbus.algorithms.local import default_of
+    defaults = {k: default_of(v) for k, v in FedProtoServer.PARAMS.items()}
+    assert defaults == {"lam": 1.0,  # the paper's best lambda on MNIST and FEMNIST
+                        "proto_loss": "paper",  # eqs. 7-8, Algorithm 1 lines 3-4
+                        "aggregate": "weighted",  # eq. 6
+                        "keep_missing": True,  # = the code's set replacement at full participation
+                        "infer_classes": "all",  # eq. 4
+                        "proto_source": "after"}  # eq. 3
+    # FedTGP shares these two declarations and keeps its reference code's MSE default
+    assert default_of(PROTO_LOSS) == "mse" and default_of(INFER_CLASSES) == "all"
+
+
 def test_fedproto_unweighted_mean_by_hand():
-    s = proto_server()  # aggregate = "mean" is the default (the reference code)
+    s = proto_server(aggregate="mean")  # the reference code's proto_aggregation
     s.aggregate([update(0, A), update(1, B)], [], RoundInfo(0, 3))
     # class 0: ([1,0] + [4,3]) / 2; class 1: ([0,2] + [2,2]) / 2; class 2: B alone
     np.testing.assert_allclose(s.protos, [[2.5, 1.5], [1.0, 2.0], [5.0, 5.0]], atol=1e-6)
     assert s.make_task(0, RoundInfo(1, 3))["has"].tolist() == [True, True, True]
 
 
-def test_fedproto_count_weighted_mean_by_hand():
-    s = proto_server(aggregate="weighted")
+def test_fedproto_eq6_count_weighted_mean_by_hand():
+    s = proto_server()  # aggregate = "weighted" (eq. 6) is the default
     s.aggregate([update(0, A), update(1, B)], [], RoundInfo(0, 3))
     # class 0: (2*[1,0] + 1*[4,3]) / 3 = [2, 1]; class 1: (1*[0,2] + 3*[2,2]) / 4 = [1.5, 2]
     np.testing.assert_allclose(s.protos, [[2.0, 1.0], [1.5, 2.0], [5.0, 5.0]], atol=1e-6)
+    # the same, written as eq. 6's sum over N_j of |D_i,j| / N_j * C_i^(j), in plain numpy
+    pa, pb = A["protos"].astype(float), B["protos"].astype(float)
+    na, nb = A["counts"].astype(float), B["counts"].astype(float)
+    want = np.zeros((3, 2))
+    for j in range(3):
+        n_j = na[j] + nb[j]
+        want[j] = na[j] / n_j * pa[j] + nb[j] / n_j * pb[j]
+    np.testing.assert_allclose(s.protos, want, atol=1e-6)
+    assert s.make_task(0, RoundInfo(1, 3))["has"].tolist() == [True, True, True]
 
 
 def test_fedproto_staleness_weights_by_hand():
     stale = update(1, B, staleness=3)  # weight 1/sqrt(4) = 0.5
-    s = proto_server()
+    s = proto_server(aggregate="mean")
     s.aggregate([update(0, A), stale], [], RoundInfo(3, 5))
     # class 0: (1*[1,0] + 0.5*[4,3]) / 1.5 = [2, 1]; class 1: (1*[0,2] + 0.5*[2,2]) / 1.5
     np.testing.assert_allclose(s.protos, [[2.0, 1.0], [2 / 3, 2.0], [5.0, 5.0]], atol=1e-6)
-    s = proto_server(aggregate="weighted")
+    s = proto_server()  # eq. 6
     s.aggregate([update(0, A), stale], [], RoundInfo(3, 5))
     # class 0: a = (2*1, 1*0.5): (2*[1,0] + 0.5*[4,3]) / 2.5 = [1.6, 0.6]
     # class 1: a = (1*1, 3*0.5): (1*[0,2] + 1.5*[2,2]) / 2.5 = [1.2, 2]
@@ -132,7 +157,7 @@ def test_fedproto_client_update_is_eq5_prototypes():
 
 def test_fedproto_mse_regulariser_by_hand():
     part = digits_parts(4)[0]
-    h = get_algorithm("fedproto").client(client_ctx(0, part, {"lam": 2.0}))
+    h = get_algorithm("fedproto").client(client_ctx(0, part, {"lam": 2.0, "proto_loss": "mse"}))
     g = np.random.default_rng(0).normal(size=(C, D)).astype(np.float32)
     has = np.arange(C) % 2 == 0  # only even classes have a global prototype
     h._global, h._has = h.global_protos(task_with(g, has))
@@ -168,6 +193,144 @@ def test_fedproto_paper_regulariser_by_hand():
         if has[k]:
             reg += float(np.linalg.norm(feats[y.numpy() == k].mean(0) - g[k]))
     assert loss == pytest.approx(ce + 0.5 * reg, rel=1e-5)
+
+
+class Tiny(nn.Module):
+    """A hand-made network on 2-d inputs: features(x) = x @ F.T + f (identity by default),
+    head(h) = h @ W.T + b with the given 3 x 2 W. Everything it computes is a few lines
+    of numpy."""
+
+    def __init__(self, W, b):
+        super().__init__()
+        self.body = nn.Linear(2, 2)
+        self.fc = nn.Linear(2, 3)
+        with torch.no_grad():
+            self.body.weight.copy_(torch.eye(2))
+            self.body.bias.zero_()
+            self.fc.weight.copy_(torch.tensor(W, dtype=torch.float32))
+            self.fc.bias.copy_(torch.tensor(b, dtype=torch.float32))
+
+    def features(self, x):
+        return self.body(x)
+
+    def head(self, h):
+        return self.fc(h)
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+def tiny_ctx(model, x, y, params, train=None):
+    x = torch.tensor(x, dtype=torch.float32)
+    y = torch.tensor(y, dtype=torch.int64)
+    return ClientContext(client=0, model=model, device=torch.device("cpu"), train_x=x,
+                         train_y=y, test_x=x, test_y=y, num_classes=3, feature_dim=2,
+                         params=params, train=train or TRAIN, seed=0)
+
+
+def np_cross_entropy(logits, y):
+    z = logits - logits.max(1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(1, keepdims=True))
+    return -logp[np.arange(len(y)), y].mean(), np.exp(logp)
+
+
+def test_fedproto_eq7_eq8_paper_loss_and_gradient_on_tiny_inputs():
+    # eq. 7: CE + lam * L_R; eq. 8 with the L2 distance and Algorithm 1's batch
+    # prototypes: L_R = sum over the batch's classes k with a global prototype of
+    # || mean_{y=k} f(x) - C-bar_k ||_2. The default proto_loss.
+    W, b = [[1.0, -1.0], [0.5, 2.0], [-1.0, 0.0]], [0.1, 0.0, -0.2]
+    x = np.array([[1, 2], [3, 0], [0, 1], [2, 2], [5, 5]], dtype=np.float64)
+    y = np.array([0, 0, 1, 1, 2])
+    g = np.array([[0, 0], [1, 1], [9, 9]], dtype=np.float64)
+    has = np.array([True, True, False])  # class 2 has no global prototype: no term
+    lam = 0.5
+    h = get_algorithm("fedproto").client(tiny_ctx(Tiny(W, b), x, y, {"lam": lam}))
+    assert h.proto_loss == "paper"
+    h._global, h._has = h.global_protos(task_with(g, has))
+    h._reg = True
+    xt = torch.tensor(x, dtype=torch.float32, requires_grad=True)
+    loss = h.batch_loss(xt, torch.tensor(y))
+    loss.backward()
+    # by hand: features are x itself; batch means m_0 = [2, 1], m_1 = [1, 1.5]
+    logits = x @ np.array(W).T + np.array(b)
+    ce, prob = np_cross_entropy(logits, y)
+    m0, m1 = x[y == 0].mean(0), x[y == 1].mean(0)
+    np.testing.assert_allclose([m0, m1], [[2, 1], [1, 1.5]])
+    reg = np.linalg.norm(m0 - g[0]) + np.linalg.norm(m1 - g[1])  # sqrt(5) + 0.5
+    assert loss.item() == pytest.approx(ce + lam * reg, rel=1e-6)
+    # the gradient flows through the batch means: d||m_k - g_k|| / dx_i = u_k / n_k
+    onehot = np.eye(3)[y]
+    grad = (prob - onehot) @ np.array(W) / len(y)
+    for k, m in ((0, m0), (1, m1)):
+        u = (m - g[k]) / np.linalg.norm(m - g[k])
+        grad[y == k] += lam * u / (y == k).sum()
+    np.testing.assert_allclose(xt.grad.numpy(), grad, rtol=1e-5, atol=1e-6)
+
+
+def test_fedproto_mse_option_on_tiny_inputs():
+    # the reference code: loss2 = nn.MSELoss()(proto_new, protos), proto_new = the
+    # features with each row whose class has a global prototype replaced by it
+    W, b = [[1.0, -1.0], [0.5, 2.0], [-1.0, 0.0]], [0.1, 0.0, -0.2]
+    x = np.array([[1, 2], [3, 0], [0, 1], [2, 2], [5, 5]], dtype=np.float64)
+    y = np.array([0, 0, 1, 1, 2])
+    g = np.array([[0, 0], [1, 1], [9, 9]], dtype=np.float64)
+    has = np.array([True, True, False])
+    h = get_algorithm("fedproto").client(tiny_ctx(Tiny(W, b), x, y,
+                                                  {"lam": 3.0, "proto_loss": "mse"}))
+    h._global, h._has = h.global_protos(task_with(g, has))
+    h._reg = True
+    with torch.no_grad():
+        loss = h.batch_loss(torch.tensor(x, dtype=torch.float32), torch.tensor(y)).item()
+    ce, _ = np_cross_entropy(x @ np.array(W).T + np.array(b), y)
+    proto_new = x.copy()
+    for i, k in enumerate(y):
+        if has[k]:
+            proto_new[i] = g[k]
+    mse = ((proto_new - x) ** 2).mean()  # over all 5 x 2 entries: (5 + 9 + 1 + 2 + 0) / 10
+    assert mse == pytest.approx(1.7)
+    assert loss == pytest.approx(ce + 3.0 * mse, rel=1e-6)
+
+
+class EpochShift(nn.Module):
+    """features(x) = x + (index of the local epoch the call falls in): the class
+    means of any one epoch are known by hand whatever order the batches come in."""
+
+    def __init__(self, steps_per_epoch):
+        super().__init__()
+        self.fc = nn.Linear(2, 3)
+        self.calls, self.per_epoch = 0, steps_per_epoch
+
+    def features(self, x):
+        epoch = self.calls // self.per_epoch
+        if self.training:
+            self.calls += 1
+        return x + float(epoch)
+
+    def head(self, h):
+        return self.fc(h)
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+@pytest.mark.parametrize("epochs,to_run,shift", [(2, None, 1.0), (3, None, 2.0),
+                                                 (2, 1.5, 0.0), (3, 2.5, 1.0)])
+def test_fedproto_during_source_is_the_last_complete_epoch(epochs, to_run, shift):
+    # the code empties agg_protos_label at each local epoch: the update is the mean of the
+    # last epoch's training features (here x + epoch index), not of all epochs
+    # (x + 0.5 for two epochs). A run cut mid-epoch uses its last complete epoch.
+    x = np.array([[1, 2], [3, 0], [0, 1], [2, 2], [5, 5], [1, 1], [4, 0], [0, 4]], float)
+    y = np.array([0, 0, 1, 1, 2, 2, 2, 0])
+    train = {**TRAIN, "lr": 0.0, "momentum": 0.0, "batch_size": 4}  # 2 steps per epoch
+    h = get_algorithm("fedproto").client(
+        tiny_ctx(EpochShift(2), x, y, {"proto_source": "during"}, train=train))
+    run = LocalRun(h.ctx, epochs=epochs, seed=0, epochs_to_run=to_run)
+    payload = h.train(task_with(np.zeros((3, 2)), np.zeros(3, bool)), run)
+    steps = 2 * epochs if to_run is None else round(2 * to_run)
+    assert run.work.steps == steps
+    want = np.array([x[y == k].mean(0) + shift for k in range(3)])
+    np.testing.assert_allclose(payload["protos"], want, atol=1e-6)
+    np.testing.assert_array_equal(payload["counts"], [3, 2, 3])
 
 
 def test_fedproto_during_source_averages_training_features():
@@ -212,7 +375,8 @@ def test_fedproto_proto_acc_nan_without_prototypes():
 
 # --- short federations -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("params", [{}, {"aggregate": "weighted", "proto_loss": "paper",
+# the paper's defaults, and the reference code's choices (but all-class inference)
+@pytest.mark.parametrize("params", [{}, {"aggregate": "mean", "proto_loss": "mse",
                                          "proto_source": "during", "keep_missing": False}])
 def test_fedproto_short_federation_learns(params):
     _, _, history = simulate("fedproto", params, rounds=4, clients=4, epochs=3, ways=5)
@@ -227,56 +391,3 @@ def test_fedproto_heterogeneous_models_learn():
     kinds = {sum(p.numel() for p in h.ctx.model.parameters()) for h in handlers}
     assert len(kinds) == 2  # two architectures, one feature dimension
     assert history[-1]["proto_acc"] > 0.6, history
-
-
-# --- fedavg-proto (Qiao et al.) -----------------------------------------------------------------
-
-def linear3(i):
-    return nn.Linear(2, 1)
-
-
-def test_fedavg_proto_asks_for_prototypes_in_the_last_round_only():
-    algo = get_algorithm("fedavg-proto")
-    s = algo.server(server_ctx({}, rounds=3))
-    assert [s.make_task(0, RoundInfo(r, 3))["send_protos"] for r in range(3)] == [False,
-                                                                                  False, True]
-    s = algo.server(server_ctx({"every_round": True}, rounds=3))
-    assert all(s.make_task(0, RoundInfo(r, 3))["send_protos"] for r in range(3))
-
-
-def test_fedavg_proto_aggregates_count_and_staleness_weighted():
-    algo = get_algorithm("fedavg-proto")
-    s = algo.server(server_ctx({}, make=linear3, num_classes=3, feature_dim=2))
-    zero = {"weight": np.zeros((1, 2), np.float32), "bias": np.zeros(1, np.float32)}
-    s.aggregate([update(0, {"delta": zero})], [], RoundInfo(0, 3))  # no prototypes yet
-    assert not s.make_eval(0, RoundInfo(0, 3))["has"].any()
-    s.aggregate([update(0, {"delta": zero, **A}), update(1, {"delta": zero, **B}, staleness=3)],
-                [], RoundInfo(2, 3))
-    ev = s.make_eval(0, RoundInfo(2, 3))
-    # count x staleness weights, as test_fedproto_staleness_weights_by_hand
-    np.testing.assert_allclose(ev["protos"], [[1.6, 0.6], [1.2, 2.0], [5.0, 5.0]], atol=1e-6)
-    assert ev["has"].tolist() == [True, True, True] and "weights" in ev
-    before = s.state_dict()
-    s.aggregate([], [Failure(0, "dead")], RoundInfo(3, 4))
-    np.testing.assert_array_equal(s.state_dict()["protos"], before["protos"])
-    fresh = algo.server(server_ctx({}, make=linear3, num_classes=3, feature_dim=2))
-    fresh.load_state_dict(freeze(s.state_dict()))
-    np.testing.assert_array_equal(fresh.protos, s.protos)
-
-
-def test_fedavg_proto_final_round_upload_and_proto_acc():
-    server, handlers, history = simulate("fedavg-proto", {}, rounds=3, clients=4, epochs=3,
-                                         ways=5)
-    assert math.isnan(history[0]["proto_acc"]) and math.isnan(history[1]["proto_acc"])
-    assert history[-1]["proto_acc"] > 0.6 and history[-1]["acc"] > 0.3, history
-    # clients 0..3 hold classes j..j+4: classes 0..7 have a prototype, 8 and 9 none
-    assert server.has.tolist() == [True] * 8 + [False] * 2
-    # an update made in the final round carries the prototypes (spec: delta + optional protos)
-    h = handlers[0]
-    payload = h.train(freeze(server.make_task(0, RoundInfo(2, 3))),
-                      LocalRun(h.ctx, epochs=1, seed=0))
-    check_spec(payload, {**server.update_spec(), "protos": ("float32", (C, D)),
-                         "counts": ("int64", (C,))})
-    payload = h.train(freeze(server.make_task(0, RoundInfo(0, 3))),
-                      LocalRun(h.ctx, epochs=1, seed=0))
-    assert set(payload) == {"delta"}
