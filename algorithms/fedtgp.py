@@ -4,69 +4,93 @@ Zhang, Liu, Hua, Cao, "FedTGP: Trainable Global Prototypes with
 Adaptive-Margin-Enhanced Contrastive Learning for Data and Model Heterogeneity
 in Federated Learning", AAAI 2024 (arXiv:2401.03230). Reference code:
 github.com/TsingZ0/FedTGP (system/flcore/servers/servertgp.py,
-system/flcore/clients/clienttgp.py, system/main.py, system/run_me.sh), also in
-TsingZ0/HtFLlib.
+system/flcore/clients/clienttgp.py, system/main.py, system/run_me.sh; the same
+two files in TsingZ0/HtFLlib). Equation numbers are the paper's; the
+equation-by-equation audit is docs/fidelity/fedtgp.md. Defaults follow the
+paper; where the reference code differs, its behaviour is a named option.
 
-Clients are FedProto clients (fedbus.algorithms.fedproto): loss = CE + lam * R
-with R the reference code's per-sample MSE to the global prototype of each
-sample's class (PARAM `proto_loss`, "mse" default, "paper" = FedProto's
-per-class L2 form), local prototypes computed after training in eval mode (the
-code's `collect_protos`), inference by the nearest global prototype over every
-class (the code's `test_metrics` ranks by MSE, which orders like L2; PARAM
-`infer_classes`, default "all"). A client uploads {"protos": float32 [C, D]}
-only: the server needs no class counts. Absent classes are zero rows; the
-server reads presence from an optional "counts" [C] (> 0) when one is sent
-with a positive sum, else from the non-zero rows (a present class whose mean
-feature is exactly zero would be taken as absent; with any non-degenerate
-feature extractor that does not happen).
+Client i (Algorithm 1 lines 6-9):
+- local loss (eq. 11): CE(h_i(f_i(x)), y) + lam * R. PARAM `proto_loss`:
+    "paper" (default; eq. 11 as written): R = E_{c ~ C_i} phi(P_i^c, P-hat^c),
+            phi the Euclidean distance, estimated on the minibatch: the mean,
+            over the batch's classes c that have a global prototype, of
+            ||mean of f(x) over the batch's samples of c - P-hat^c||_2
+            (gradients flow through the mean);
+    "mse"   (the reference code's clienttgp.train, "following FedProto's
+            official implementation"): nn.MSELoss between the batch's features
+            and, row by row, the global prototype of each sample's class (a
+            mean over B x D entries: the pull per entry scales as lam / D).
+  PARAM `lam`: 0.1 (the paper, main text and appendix: "lambda = 0.1 (the same
+  as FedProto)"); the reference run script uses -lam 10 with the "mse" form.
+  Before any global prototype exists (round 0) R = 0, as in the code.
+- local prototypes (eq. 2): P_i^c = mean of f_i(x) over the client's training
+  samples of class c, one pass after local training in eval mode (the code's
+  `collect_protos`). The update is {"protos": float32 [C, D]} only: FedTGP
+  uploads no class counts (Sec. "FedTGP Framework"). Absent classes are zero
+  rows; the server reads presence from an optional "counts" [C] (> 0) when one
+  is sent with a positive sum, else from the non-zero rows (a present class
+  whose mean feature is exactly zero would be taken as absent; with any
+  non-degenerate feature extractor that does not happen).
+- inference (Sec. "FedTGP Framework"): the class of the nearest global
+  prototype by phi over every class (the code's `test_metrics` ranks by MSE,
+  which orders like L2). PARAM `infer_classes` = "all" (default; paper and
+  code) or "own" (only the client's training classes). The client's own model
+  is scored (acc: its head; proto_acc: the nearest global prototype).
 
-Server (the paper's sections on Trainable Global Prototypes (TGP) and
-Adaptive-margin-enhanced Contrastive Learning (ACL)):
-- trainable prototypes (the code's `Trainable_prototypes`): a learnable
-  embedding per class, nn.Embedding(C, D), fed through
-  Linear(D, H) -> ReLU -> Linear(H, D); the generated P-hat_c are the global
-  prototypes. The module persists across rounds; H = PARAM `server_hidden`
-  (0 = D, the code's `server_hidden_dim = feature_dim`).
-- each aggregation trains it for S = PARAM `server_epochs` epochs of SGD
-  (lr PARAM `server_lr`, a fresh optimiser without momentum every round, as the
-  code) over the client prototypes received in this aggregation, minibatches of
-  PARAM `server_batch_size`, shuffled by the server's own seeded generator. The
-  loss (the adaptive-margin-enhanced contrastive loss) for a client prototype
-  P_i^c of class c is
-      CE(-(d(P_i^c, P-hat_.) + delta(t) * onehot(c)), c)
-  with d the Euclidean distance (not squared: the code expands
-  ||p||^2 - 2 p.g + ||g||^2 and takes the square root; we use torch.cdist
-  without the matmul shortcut, the same quantity with a safe gradient at 0).
-  Each prototype's CE is weighted by the engine's staleness weight of its
-  client (sum w CE / sum w; the plain batch mean when all are fresh).
-- the adaptive margin, exactly as the code's `receive_protos` computes `gap`:
-  Q_c = mean over the clients that sent class c of their prototypes (the code's
-  `proto_cluster`; we weight by staleness, which is the plain mean when all are
-  fresh); gap_c = min over the other received classes c' of ||Q_c - Q_c'||_2
-  (class-wise minimum distance); delta(t) = min(max_c gap_c, tau), tau = PARAM
-  `margin_threshold`. Note: the maximum over classes of each class's *nearest*
-  other centre, not the largest pairwise distance. With fewer than two classes
-  received the code's gaps stay at 1e9, so delta(t) = tau; so here.
-- after training the generated prototypes of all C classes (one no-grad pass)
-  are the new global prototypes; the task carries {"protos": [C, D],
+Server (Algorithm 1 lines 10-11):
+- trainable global prototypes (Sec. "Trainable Global Prototypes", Fig. 3):
+  a trainable vector P-acute^c in R^K per class (nn.Embedding(C, K), the
+  code's `Trainable_Global_Prototypes`), randomly initialised, fed through F =
+  two FC layers with a ReLU between, Linear(K, H) -> ReLU -> Linear(H, K);
+  P-hat^c = F(P-acute^c). H = PARAM `server_hidden` (0 = K: the code's
+  `server_hidden_dim = feature_dim`; the paper gives no width). PARAM
+  `generator` = "mlp" (default, with F) or "none" (Tab. 6's "w/o F": the
+  vectors P-acute^c are the prototypes). The module persists across rounds.
+- each aggregation trains it for S = PARAM `server_epochs` = 100 epochs
+  (paper) of SGD without momentum, a fresh optimiser every round (as the
+  code), over the client prototypes received in this aggregation, shuffled
+  minibatches by the server's own seeded generator. The paper gives neither
+  the server learning rate nor the minibatch: PARAM `server_lr` (0 = the
+  clients' train.lr, the code's `server_learning_rate =
+  args.local_learning_rate`) and PARAM `server_batch_size` (0 = the clients'
+  train.batch_size, the code's `self.batch_size = args.batch_size`).
+- the ACL loss (eqs. 5, 10) for a client prototype P_i^c of class c:
+      -log( e^{-(phi(P_i^c, P-hat^c) + delta(t))}
+            / (e^{-(phi(P_i^c, P-hat^c) + delta(t))} + sum_{c' != c} e^{-phi(P_i^c, P-hat^c')}) )
+  = CE(-(d(P_i^c, P-hat_.) + delta(t) * onehot(c)), c), d the Euclidean
+  distance (torch.cdist without the matmul shortcut: the code's expanded
+  sqrt(||p||^2 - 2 p.g + ||g||^2) with a safe gradient). Eq. 5 sums it over
+  the clients and classes; a minibatch takes the mean (as the code; the sum
+  only rescales the unstated learning rate). Each prototype's term is weighted
+  by the engine's staleness weight of its client (sum w CE / sum w; the plain
+  batch mean when all are fresh).
+- the margin delta(t), PARAM `margin`:
+    "max"     (default; eq. 9 as written): delta(t) = min(max_{c != c'}
+              ||Q_t^c - Q_t^c'||_2, tau), the largest distance between two
+              class centres;
+    "max_min" (the reference code's `receive_protos`: `gap`, `max_gap`):
+              min(max_c min_{c' != c} ||Q_t^c - Q_t^c'||_2, tau), the largest
+              class-wise *minimum* distance (each class's margin as Fig. 1
+              defines it), never larger than "max";
+    "fixed"   (Tab. 6's "FM", eq. 7): delta = tau, every round;
+    "none"    (Tab. 6's "SCL", eq. 6): delta = 0.
+  Q_t^c = the plain mean of the received prototypes of class c (eq. 9; we
+  weight by staleness, the plain mean when all are fresh). tau = PARAM
+  `margin_threshold` = 100 (paper). With fewer than two classes received the
+  code's gaps stay at 1e9, so delta(t) = tau; so here for "max" and "max_min".
+- after training, the generated prototypes of all C classes (one no-grad
+  pass) are the new global prototypes; the task carries {"protos": [C, D],
   "has": bool [C]} (all True after the first aggregation, as the code sends
   every class; all False before, when clients train with CE only).
 
-Defaults and where they come from: lam = 10 (run_me.sh `-lam 10`; main.py's
-argparse default is 1.0); server_epochs = 100 (run_me.sh `-se 100`; argparse
-default 1000); margin_threshold tau = 100 (`-mart 100`, also the argparse
-default); server_lr = 0.01 (the code uses the clients' learning rate,
-run_me.sh `-lr 0.01`); server_batch_size = 10 (the code uses the clients'
-batch size, `-lbs 10`).
-
-lam and the feature dimension: the regulariser is nn.MSELoss's mean over the
-batch's B x D feature entries, so its pull on each entry scales as lam / D. The
-reference's lam = 10 goes with HtFLlib's feature_dim = 512; at D = 64 the same
-pull per entry is lam = 1.25. The server's adaptive margin grows with the
-spread of the client prototypes it receives, and clients pulled hard toward the
-spread-out global prototypes spread further: a feedback that tau bounds. In
-fedbus's MNIST benchmark (docs/RESULTS.md) lam = 10 at D = 64 drove the margin
-to tau within 10-14 rounds and several clients' models to NaN.
+lam and the feature dimension (the "mse" form): nn.MSELoss averages over the
+B x D feature entries, so its pull on each entry scales as lam / D; the code's
+lam = 10 goes with its feature_dim = 512. The "paper" form is an L2 norm per
+class, whose pull does not shrink with D. The server's adaptive margin grows
+with the spread of the client prototypes, and clients pulled toward
+spread-out global prototypes spread further: a feedback that tau bounds
+(docs/RESULTS.md: "mse" with lam = 10 at D = 64 drove delta to tau and some
+clients to NaN).
 
 Determinism: the prototype generator is initialised from the server seed by
 its own torch.Generator (the PyTorch default initialisations, drawn from that
@@ -86,19 +110,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedbus.algorithms import Algorithm
-from fedbus.algorithms.base import ClientUpdate, Failure, RoundInfo, ServerHandler
-from fedbus.algorithms.fedproto import INFER_CLASSES, PROTO_LOSS, FedProtoClient
-from fedbus.algorithms.local import Params, opt, staleness_metrics
-from fedbus.algorithms.protos import aggregate_prototypes
+from fedbus.algorithms.base import (ClientUpdate, Failure, LocalRun, RoundInfo, ServerHandler,
+                                    head_metrics, to_tensor)
+from fedbus.algorithms.local import LocalClient, Params, opt, staleness_metrics
+from fedbus.algorithms.protos import (aggregate_prototypes, class_means, local_prototypes,
+                                      prototype_accuracy)
+
+MARGINS = ("max", "max_min", "fixed", "none")
 
 
 class TrainablePrototypes(nn.Module):
-    """nn.Embedding(C, D) -> Linear(D, H) -> ReLU -> Linear(H, D), initialised
-    like PyTorch's defaults but from `generator` (the global RNG is untouched)."""
+    """nn.Embedding(C, D) -> Linear(D, H) -> ReLU -> Linear(H, D) (generator
+    "mlp"), or the embeddings alone ("none"); initialised like PyTorch's
+    defaults but from `generator` (the global RNG is untouched)."""
 
     def __init__(self, num_classes: int, feature_dim: int, hidden: int,
-                 generator: torch.Generator):
+                 generator: torch.Generator, use_f: bool = True):
         super().__init__()
+        self.use_f = bool(use_f)
         self.embeddings = nn.Embedding(num_classes, feature_dim,
                                        _weight=torch.empty(num_classes, feature_dim))
         self.middle = nn.Sequential(nn.utils.skip_init(nn.Linear, feature_dim, hidden),
@@ -110,19 +139,32 @@ class TrainablePrototypes(nn.Module):
                 nn.init.kaiming_uniform_(lin.weight, a=math.sqrt(5), generator=generator)
                 bound = 1.0 / math.sqrt(lin.in_features) if lin.in_features > 0 else 0.0
                 nn.init.uniform_(lin.bias, -bound, bound, generator=generator)
+        if not self.use_f:  # Tab. 6 "w/o F": F is not part of the model
+            for p in (*self.middle.parameters(), *self.fc.parameters()):
+                p.requires_grad_(False)
 
     def forward(self, class_ids: torch.Tensor | None = None) -> torch.Tensor:
         emb = self.embeddings.weight if class_ids is None else self.embeddings(class_ids)
-        return self.fc(self.middle(emb))
+        return self.fc(self.middle(emb)) if self.use_f else emb
 
 
-def adaptive_margin(centres: np.ndarray, present: np.ndarray, tau: float) -> float:
-    """delta(t) = min(max_c min_{c' != c} ||Q_c - Q_c'||_2, tau) over the present
-    classes (the code's `gap`); tau when fewer than two classes are present."""
+def adaptive_margin(centres: np.ndarray, present: np.ndarray, tau: float,
+                    rule: str = "max") -> float:
+    """delta(t) over the present classes' centres Q (see the module docstring):
+    "max" = eq. 9, min(max_{c != c'} ||Q_c - Q_c'||, tau); "max_min" = the code,
+    min(max_c min_{c' != c} ||Q_c - Q_c'||, tau); "fixed" = tau; "none" = 0.
+    "max"/"max_min" with fewer than two classes present: tau (the code's gaps
+    stay at 1e9)."""
+    if rule == "none":
+        return 0.0
+    if rule == "fixed":
+        return float(tau)
     q = torch.as_tensor(np.asarray(centres, dtype=np.float64)[np.asarray(present, dtype=bool)])
     if len(q) < 2:
         return float(tau)
     d = torch.cdist(q, q, compute_mode="donot_use_mm_for_euclid_dist")
+    if rule == "max":
+        return float(min(d.max().item(), tau))
     d.fill_diagonal_(float("inf"))
     return float(min(d.min(dim=1).values.max().item(), tau))
 
@@ -137,19 +179,50 @@ def presence(protos: np.ndarray, counts: Any = None) -> np.ndarray:
     return np.any(np.asarray(protos) != 0, axis=1)
 
 
+def prototype_regulariser(h: torch.Tensor, y: torch.Tensor, protos: torch.Tensor,
+                          has: torch.Tensor, form: str = "paper") -> torch.Tensor:
+    """R of eq. 11 on one minibatch (features h [B, D], labels y, global
+    prototypes [C, D] and their presence [C]):
+    "paper": mean over the batch's classes c with a global prototype of
+             ||mean(h[y == c]) - protos[c]||_2;
+    "mse":   nn.MSELoss(h, target), target row b = protos[y_b] when y_b has a
+             global prototype, else h_b itself (the code's `proto_new`)."""
+    g = protos.to(h.dtype)
+    if form == "mse":
+        target = torch.where(has[y].unsqueeze(1), g[y], h.detach())
+        return F.mse_loss(h, target)
+    means, n = class_means(h, y, len(g))
+    sel = (n > 0) & has
+    if not bool(sel.any()):
+        return h.sum() * 0.0
+    return torch.linalg.vector_norm(means[sel] - g[sel], dim=1).mean()
+
+
 class FedTGPServer(Params, ServerHandler):
     PARAMS: ClassVar[dict[str, Any]] = {
-        "lam": opt(10.0, "weight of the clients' prototype regulariser (run_me.sh -lam 10)",
-                   min=0.0),
-        "proto_loss": PROTO_LOSS,
-        "infer_classes": INFER_CLASSES,
-        "server_epochs": opt(100, "server epochs S over the received prototypes per round",
-                             min=0),
-        "server_lr": opt(0.01, "server SGD learning rate", min=0.0),
-        "server_batch_size": opt(10, "server minibatch of client prototypes", min=1),
-        "server_hidden": opt(0, "hidden width of the prototype generator (0 = feature_dim)",
-                             min=0),
-        "margin_threshold": opt(100.0, "tau, the cap of the adaptive margin delta(t)",
+        "lam": opt(0.1, "weight lambda of the clients' prototype loss, eq. 11 (paper 0.1; the "
+                   "code's run_me.sh uses 10 with proto_loss = mse)", min=0.0),
+        "proto_loss": opt("paper", "client loss R: paper = eq. 11 (mean over the batch's classes "
+                          "of the L2 distance between the batch class mean and the global "
+                          "prototype); mse = reference code (nn.MSELoss of each feature to its "
+                          "class's global prototype)", choices=("paper", "mse")),
+        "infer_classes": opt("all", "nearest-prototype inference over all classes (paper, code) "
+                             "or only the client's own training classes",
+                             choices=("all", "own")),
+        "server_epochs": opt(100, "server epochs S over the received prototypes per round "
+                             "(paper: 100)", min=0),
+        "server_lr": opt(0.0, "server SGD learning rate (0 = train.lr, as the code; the paper "
+                         "gives none)", min=0.0),
+        "server_batch_size": opt(0, "server minibatch of client prototypes (0 = "
+                                 "train.batch_size, as the code)", min=0),
+        "server_hidden": opt(0, "hidden width of F (0 = feature_dim, as the code)", min=0),
+        "generator": opt("mlp", "trainable prototypes: mlp = vectors through F (paper); none = "
+                         "the vectors alone (Tab. 6 'w/o F')", choices=("mlp", "none")),
+        "margin": opt("max", "delta(t): max = eq. 9 (largest distance between class centres); "
+                      "max_min = reference code (largest class-wise minimum distance); fixed = "
+                      "margin_threshold (Tab. 6 'FM', eq. 7); none = 0 (Tab. 6 'SCL', eq. 6)",
+                      choices=MARGINS),
+        "margin_threshold": opt(100.0, "tau, the cap of the adaptive margin (paper: 100)",
                                 min=0.0),
     }
 
@@ -157,7 +230,8 @@ class FedTGPServer(Params, ServerHandler):
         super().__init__(ctx)
         c, d = ctx.num_classes, ctx.feature_dim
         self.gen = torch.Generator().manual_seed(int(ctx.seed))
-        self.net = TrainablePrototypes(c, d, int(self.param("server_hidden")) or d, self.gen)
+        self.net = TrainablePrototypes(c, d, int(self.param("server_hidden")) or d, self.gen,
+                                       use_f=self.param("generator") == "mlp")
         self.protos = np.zeros((c, d), dtype=np.float32)
         self.has = np.zeros(c, dtype=bool)
         self.margin = float("nan")
@@ -169,19 +243,25 @@ class FedTGPServer(Params, ServerHandler):
     def batch_loss(self, protos: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
                    margin: float) -> torch.Tensor:
         """Staleness-weighted CE of -(distance to every generated prototype
-        + margin on the own class)."""
+        + margin on the own class): eq. 10 per prototype."""
         gen = self.net()
         dist = torch.cdist(protos, gen, compute_mode="donot_use_mm_for_euclid_dist")
         dist = dist + margin * F.one_hot(labels, gen.shape[0]).to(dist.dtype)
         ce = F.cross_entropy(-dist, labels, reduction="none")
         return (weights * ce).sum() / weights.sum()
 
+    def _train_setting(self, key: str, train_key: str) -> float:
+        value = self.param(key)
+        return value if value else self.ctx.train[train_key]
+
     def train_generator(self, protos: torch.Tensor, labels: torch.Tensor,
                         weights: torch.Tensor, margin: float) -> float:
         """S epochs of SGD on the received prototypes; returns the last loss."""
         epochs = int(self.param("server_epochs"))
-        bs = int(self.param("server_batch_size"))
-        optimizer = torch.optim.SGD(self.net.parameters(), lr=float(self.param("server_lr")))
+        bs = int(self._train_setting("server_batch_size", "batch_size"))
+        lr = float(self._train_setting("server_lr", "lr"))
+        params = [p for p in self.net.parameters() if p.requires_grad]
+        optimizer = torch.optim.SGD(params, lr=lr)
         self.net.train()
         last = float("nan")
         m = len(labels)
@@ -213,7 +293,8 @@ class FedTGPServer(Params, ServerHandler):
         m_all = np.stack(masks)  # [N, C]
         w_all = np.array(weights, dtype=np.float64)
         centres, mass = aggregate_prototypes(p_all, m_all.astype(np.int64), w_all, by_count=False)
-        self.margin = adaptive_margin(centres, mass > 0, float(self.param("margin_threshold")))
+        self.margin = adaptive_margin(centres, mass > 0, float(self.param("margin_threshold")),
+                                      self.param("margin"))
 
         client_idx, class_idx = np.nonzero(m_all)  # row-major: client by client, class order
         protos = torch.from_numpy(p_all[client_idx, class_idx].copy())
@@ -250,19 +331,60 @@ class FedTGPServer(Params, ServerHandler):
         self.margin = float(state["margin"])
 
 
-class FedTGPClient(FedProtoClient):
-    """FedProto's client with the prototypes-only upload of the code."""
+class FedTGPClient(LocalClient):
+    """CE + lam * R (eq. 11) against the global prototypes; uploads the class
+    means of its training set (eq. 2) after training; nearest-prototype
+    inference."""
 
     PARAMS: ClassVar[dict[str, Any]] = FedTGPServer.PARAMS
 
-    def configure(self) -> None:
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.num_classes = ctx.num_classes
+        self.own = torch.bincount(ctx.train_y, minlength=ctx.num_classes) > 0
         self.lam = float(self.param("lam"))
         self.proto_loss = self.param("proto_loss")
-        self.proto_source = "after"  # the code's collect_protos: eval-mode pass after training
         self.infer_own = self.param("infer_classes") == "own"
+        self._global: torch.Tensor | None = None
+        self._has: torch.Tensor | None = None
+        self._reg = False
 
-    def update_payload(self, protos: np.ndarray, counts: np.ndarray) -> dict[str, Any]:
+    def global_protos(self, task: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        dev = self.ctx.device
+        return (to_tensor(task["protos"], dev, torch.float32),
+                to_tensor(task["has"], dev, torch.bool))
+
+    def batch_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        model = self.ctx.model
+        h = model.features(x)
+        loss = F.cross_entropy(model.head(h), y)
+        if self._reg:
+            loss = loss + self.lam * prototype_regulariser(h, y, self._global, self._has,
+                                                           self.proto_loss)
+        return loss
+
+    def train(self, task: Mapping[str, Any], run: LocalRun) -> dict[str, Any]:
+        self._global, self._has = self.global_protos(task)
+        self._reg = self.lam > 0 and bool(self._has.any())
+        d = self._global.shape[1]
+        try:
+            self.run_local(run)
+        finally:
+            self._global = self._has = None
+            self._reg = False
+        ctx = self.ctx
+        if len(ctx.train_y) == 0:
+            return {"protos": np.zeros((self.num_classes, d), np.float32)}
+        protos, _ = local_prototypes(ctx.model, ctx.train_x, ctx.train_y, self.num_classes)
         return {"protos": protos}
+
+    def evaluate(self, task: Mapping[str, Any]) -> dict[str, float]:
+        ctx = self.ctx
+        out = head_metrics(ctx.model, ctx.test_x, ctx.test_y)
+        g, has = self.global_protos(task)
+        allowed = has & self.own.to(has.device) if self.infer_own else has
+        out["proto_acc"] = prototype_accuracy(ctx.model, ctx.test_x, ctx.test_y, g, allowed)
+        return out
 
 
 ALGORITHM = Algorithm("fedtgp", FedTGPServer, FedTGPClient,

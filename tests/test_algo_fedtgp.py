@@ -1,8 +1,10 @@
-"""fedtgp: the adaptive margin delta(t) on hand-made prototypes, one server
-step's loss against a hand computation with fixed generator weights, staleness
-weights, presence without counts, determinism and resume of the server's
-seeded training, empty rounds, the prototypes-only client update from a real
-LocalRun, and a short in-process federation on scikit-learn's digits."""
+"""fedtgp: the adaptive margin delta(t) (eq. 9, the code's rule, the Tab. 6
+ablations) on hand-made prototypes, one server step's loss against a hand
+computation with fixed generator weights, one SGD step of the trainable vectors
+without F by hand, the client loss R (eq. 11 and the code's MSE) by hand,
+staleness weights, presence without counts, determinism and resume of the
+server's seeded training, empty rounds, the prototypes-only client update (eq. 2)
+from a real LocalRun, and a short in-process federation on scikit-learn's digits."""
 from __future__ import annotations
 
 import math
@@ -15,7 +17,7 @@ from algo_support import (TRAIN, C, D, check_spec, client_ctx, digits_parts, fre
 
 from fedbus.algorithms import get_algorithm
 from fedbus.algorithms.base import Failure, LocalRun, RoundInfo, ServerContext
-from fedbus.algorithms.fedtgp import adaptive_margin, presence
+from fedbus.algorithms.fedtgp import adaptive_margin, presence, prototype_regulariser
 
 torch.set_num_threads(1)
 
@@ -25,12 +27,19 @@ torch.set_num_threads(1)
 def test_adaptive_margin_by_hand():
     centres = np.array([[0, 0], [3, 0], [3, 4], [9, 9]], np.float64)
     present = np.array([True, True, True, False])
-    # pairwise: |c0-c1| = 3, |c0-c2| = 5, |c1-c2| = 4; class-wise minimum: 3, 3, 4;
-    # delta = min(max(3, 3, 4), tau) = 4 (not the largest pairwise distance, 5)
-    assert adaptive_margin(centres, present, 100.0) == pytest.approx(4.0)
-    assert adaptive_margin(centres, present, 3.5) == pytest.approx(3.5)
+    # pairwise: |c0-c1| = 3, |c0-c2| = 5, |c1-c2| = 4; class-wise minimum: 3, 3, 4.
+    # eq. 9 ("max", default): delta = min(max pairwise distance, tau) = 5
+    assert adaptive_margin(centres, present, 100.0) == pytest.approx(5.0)
+    assert adaptive_margin(centres, present, 4.5) == pytest.approx(4.5)
+    # the reference code ("max_min"): min(max of the class-wise minima, tau) = 4
+    assert adaptive_margin(centres, present, 100.0, "max_min") == pytest.approx(4.0)
+    assert adaptive_margin(centres, present, 3.5, "max_min") == pytest.approx(3.5)
+    # Tab. 6 ablations: FM (eq. 7) a fixed delta = tau, SCL (eq. 6) no margin
+    assert adaptive_margin(centres, present, 7.0, "fixed") == 7.0
+    assert adaptive_margin(centres, present, 7.0, "none") == 0.0
     # fewer than two classes: the code's gaps stay at 1e9, so delta = tau
-    assert adaptive_margin(centres, np.array([True, False, False, False]), 7.0) == 7.0
+    for rule in ("max", "max_min"):
+        assert adaptive_margin(centres, np.array([True, False, False, False]), 7.0, rule) == 7.0
 
 
 def tgp_server(**params):
@@ -44,7 +53,10 @@ def test_server_margin_from_client_prototypes():
     b = {"protos": np.array([[1, 0], [3, -1], [0, 0]], np.float32)}  # class 2 absent: zero row
     s = tgp_server()
     metrics = s.aggregate([update(0, a), update(1, b)], [], RoundInfo(0, 3))
-    assert metrics["margin"] == pytest.approx(4.0) and metrics["classes_received"] == 3
+    assert metrics["margin"] == pytest.approx(5.0) and metrics["classes_received"] == 3
+    s = tgp_server(margin="max_min")
+    assert s.aggregate([update(0, a), update(1, b)], [], RoundInfo(0, 3))["margin"] == \
+        pytest.approx(4.0)
     s = tgp_server(margin_threshold=2.0)
     assert s.aggregate([update(0, a), update(1, b)], [], RoundInfo(0, 3))["margin"] == 2.0
 
@@ -95,6 +107,62 @@ def test_one_server_step_loss_by_hand():
         with torch.no_grad():
             np.testing.assert_allclose(task["protos"], s.net().numpy(), atol=1e-7)
         assert not np.allclose(task["protos"], [[1, 0], [0, 1], [2, 2]])
+
+
+def test_one_server_sgd_step_by_hand_without_f():
+    # generator "none" (Tab. 6 "w/o F"): the prototypes are the trainable vectors g_c.
+    # One prototype p = (1, 0) of class 0, g = [(0, 0), (0, 2)], margin none (eq. 6).
+    # logits l_c = -(||p - g_c|| + delta [c = 0]); d = (1, sqrt 5); CE = -l_0 + lse(l);
+    # dCE/dg_c = (softmax_c - [c = 0]) (p - g_c) / d_c. One SGD step at the default server
+    # lr, the clients' train.lr (0.05): g_c - 0.05 dCE/dg_c.
+    p = np.array([1.0, 0.0])
+    g = np.array([[0.0, 0.0], [0.0, 2.0]])
+    for rule, delta in (("none", 0.0), ("fixed", 0.5)):
+        d = np.sqrt(((p - g) ** 2).sum(1))
+        logits = -(d + delta * np.array([1.0, 0.0]))
+        sm = np.exp(logits - logits.max())
+        sm /= sm.sum()
+        grad = (sm - np.array([1.0, 0.0]))[:, None] * (p - g) / d[:, None]
+        want = g - TRAIN["lr"] * grad
+        s = get_algorithm("fedtgp").server(server_ctx(
+            {"server_epochs": 1, "generator": "none", "margin": rule, "margin_threshold": delta},
+            num_classes=2, feature_dim=2))
+        with torch.no_grad():
+            s.net.embeddings.weight.copy_(torch.tensor(g, dtype=torch.float32))
+        a = {"protos": np.array([[1, 0], [0, 0]], np.float32)}
+        metrics = s.aggregate([update(0, a)], [], RoundInfo(0, 3))
+        assert metrics["margin"] == delta
+        assert metrics["server_loss"] == pytest.approx(-logits[0] + np.log(np.exp(logits).sum()),
+                                                       abs=1e-6)
+        np.testing.assert_allclose(s.make_task(0, RoundInfo(1, 3))["protos"], want, atol=1e-6)
+
+
+def test_client_regulariser_by_hand():
+    # eq. 11 ("paper"): mean over the batch's classes of ||batch class mean - P-hat^c||_2;
+    # the code ("mse"): nn.MSELoss(h, target), target = P-hat^{y_b} (or h_b if none)
+    h = torch.tensor([[1.0, 0.0], [3.0, 2.0], [0.0, 5.0], [4.0, 4.0]])
+    y = torch.tensor([0, 0, 1, 2])
+    g = torch.tensor([[2.0, 2.0], [0.0, 1.0], [9.0, 9.0]])
+    has = torch.tensor([True, True, False])  # class 2 has no global prototype
+    # class 0: mean (2, 1) vs (2, 2): 1; class 1: (0, 5) vs (0, 1): 4 -> (1 + 4) / 2
+    got = prototype_regulariser(h, y, g, has)
+    assert got.item() == pytest.approx(2.5)
+    # mse: rows 0,1 vs (2,2): (1+4) + (1+0); row 2 vs (0,1): 0 + 16; row 3 vs itself: 0
+    # over B x D = 8 entries: 22 / 8
+    assert prototype_regulariser(h, y, g, has, "mse").item() == pytest.approx(22 / 8)
+    # the client adds lam * R to CE: default lam 0.1 and the paper form
+    part = digits_parts(4, ways=5)[0]
+    cli = get_algorithm("fedtgp").client(client_ctx(0, part, {}))
+    assert cli.lam == 0.1 and cli.proto_loss == "paper"
+    x, yy = part[0][:6], part[1][:6]
+    protos = torch.randn(C, D, generator=torch.Generator().manual_seed(0))
+    cli._global, cli._has, cli._reg = protos, torch.ones(C, dtype=torch.bool), True
+    with torch.no_grad():
+        hh = cli.ctx.model.features(x)
+        ce = torch.nn.functional.cross_entropy(cli.ctx.model.head(hh), yy).item()
+        hn, yn, gn = hh.numpy(), yy.numpy(), protos.numpy()
+        r = np.mean([np.linalg.norm(hn[yn == c].mean(0) - gn[c]) for c in np.unique(yn)])
+        assert cli.batch_loss(x, yy).item() == pytest.approx(ce + 0.1 * r, rel=1e-5)
 
 
 def test_server_training_lowers_the_loss():
@@ -171,7 +239,15 @@ def test_client_uploads_prototypes_only():
     check_spec(payload, server.update_spec())
     held = np.bincount(part[1].numpy(), minlength=C) > 0
     assert presence(payload["protos"]).tolist() == held.tolist()
-    assert h.lam == 10.0 and h.proto_source == "after"
+    assert h.lam == 0.1 and h.proto_loss == "paper"
+    # eq. 2: the upload is the class mean of f(x) over the training set, eval mode
+    with torch.no_grad():
+        h.ctx.model.eval()
+        feats = h.ctx.model.features(part[0]).numpy()
+    labels = part[1].numpy()
+    for c in np.flatnonzero(held):
+        np.testing.assert_allclose(payload["protos"][c], feats[labels == c].mean(0),
+                                   rtol=1e-5, atol=1e-6)
 
 
 def test_fedtgp_short_federation_learns():
