@@ -28,6 +28,8 @@ BUILTIN: dict[str, str] = {
     "local": "fedbus.algorithms.local",
     "fedavg": "fedbus.algorithms.fedavg",
     "fedprox": "fedbus.algorithms.fedprox",
+    "fedatt": "fedbus.algorithms.fedatt",
+    "central": "fedbus.algorithms.central",
     "fedproto": "fedbus.algorithms.fedproto",
     "fedavg-proto": "fedbus.algorithms.fedavg_proto",
     "mpfedcl": "fedbus.algorithms.mpfedcl",

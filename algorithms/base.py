@@ -95,6 +95,11 @@ class ServerContext:
     seed: int
     homogeneous: bool  # every client runs the same architecture
     make_model: Callable[[int], torch.nn.Module]  # client i's network, seeded initial weights
+    # Simulation only: every client's training split pooled, (x float32 [N, ...], y int64
+    # [N]), built on first call. A real deployment has no such thing; the `central`
+    # baseline (one model trained on all the data, the reference of Michieli & Ozay's
+    # FFD) is its only user. None where the server was built without data (unit tests).
+    pooled_train: Callable[[], tuple[np.ndarray, np.ndarray]] | None = None
 
 
 class ServerHandler:
@@ -122,6 +127,13 @@ class ServerHandler:
         keys, Python numbers), e.g. one value per client, goes to the record's
         "agg_extra" instead."""
         raise NotImplementedError
+
+    def global_weights(self) -> Mapping[str, np.ndarray] | None:
+        """The weights of the one global model this algorithm keeps ({name: array}, the
+        model's state dict as ctx.make_model builds it), or None if it keeps none
+        (prototype-only methods, local). Read by analysis metrics such as FFD
+        (fedbus.node.ffd); never written through."""
+        return None
 
     def update_spec(self) -> dict[str, tuple[str, tuple[int | None, ...]]]:
         """Arrays an update must carry: {"protos": ("float32", (C, D)), ...}.

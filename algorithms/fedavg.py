@@ -76,6 +76,9 @@ class FedAvgServer(Params, ServerHandler):
                                           self.coefficients(updates))
         return metrics
 
+    def global_weights(self) -> dict[str, np.ndarray]:
+        return self.weights
+
     def update_spec(self) -> dict[str, Any]:
         # A nested dict mirrors the nested payload: "delta" -> {name: (dtype, shape)}.
         return {"delta": dict(self._weights_spec)}

@@ -13,6 +13,8 @@ that names the config key and the problem. What it checks:
   readable JSON of the right shape, its indices in range, no index given to
   two clients, and it holds as many clients as the federation;
 - log.tensorboard: TensorBoard is installed when asked for;
+- log.ffd_reference: a run directory whose checkpoint holds a global model of this
+  run's architecture, and an algorithm with one global model (fedbus.node.ffd);
 - the networks build on that data (conv nets need images; a weight-averaging
   algorithm needs one architecture; a group shares one feature dim).
 
@@ -79,3 +81,11 @@ def check_inputs(cfg: Config) -> None:
     except _INPUT_ERRORS as err:
         key, value = ("model.group", model.group) if model.group else ("model.arch", model.arch)
         raise PreflightError(f"{key} = {value!r}: {err}") from None
+
+    if cfg.log.ffd_reference:
+        from fedbus.node.ffd import check_reference
+
+        try:
+            check_reference(cfg)
+        except ConfigError as err:  # names log.ffd_reference already
+            raise PreflightError(str(err)) from None

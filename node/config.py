@@ -131,6 +131,15 @@ SCHEMA: dict[str, dict[str, Opt]] = {
         "embeddings": Opt(200, "test embeddings per client saved at the end for plots", min=0),
         "tensorboard": Opt(False, "server writes RUN/tensorboard/: scalars and participation "
                                   "per round (pip install 'fedbus[tensorboard]')"),
+        "ffd_reference": Opt("", "run directory of a reference model (a `central` run; "
+                             "relative to the working directory): each evaluation records "
+                             "FFD, the MMD between the global model's and the reference's "
+                             "features on every client's data (simulation only; "
+                             "fedbus.node.ffd)"),
+        "ffd_split": Opt("train", "FFD: the client split the features are taken on",
+                         ("train", "test")),
+        "ffd_samples": Opt(500, "FFD: at most this many samples per client, a fixed random "
+                           "subset (0 = all)", min=0),
     },
 }
 

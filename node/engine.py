@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,6 +154,11 @@ class Engine:
         # async bookkeeping of the current aggregation window
         self.window = RoundState(0, 0.0, [], 0.0, 0.0)
         self.slow = self._pick_slow_clients()
+        # Analysis metrics computed by the server itself when an evaluation starts, from
+        # the handler (its global state is then exactly the evaluated version) and the
+        # record so far; their result joins the record (e.g. fedbus.node.ffd). No
+        # message depends on them, so a replay need not attach them.
+        self.eval_metrics: list[Callable[[ServerHandler, dict[str, Any]], dict[str, Any]]] = []
 
     def max_samples(self, client: int) -> int:
         """The most samples an update from `client` can honestly claim."""
@@ -511,6 +517,8 @@ class Engine:
         self.next_eval_id += 1
         wait = self.fed.deadline_s * 2 if self.fed.deadline_s > 0 else self.fed.hard_deadline_s
         final = self.version >= self.rounds
+        for metric in self.eval_metrics:
+            record.update(metric(self.handler, record))
         ev = EvalState(self.version, record["round"], now, now + wait, set(targets),
                        record=record)
         self.evals[eid] = ev

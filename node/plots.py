@@ -4,6 +4,9 @@
     accuracy-time.png    the same against wall-clock seconds
     bytes.png            bytes up/down per round, and cumulative traffic
     participation*.png   client x round grid: trained / partial / late / dropped ...
+    amm.png              aggregate mean margin per round (when recorded: proto-attention)
+    attention*.png       client x round heatmap of attention (proto-attention, fedatt)
+    ffd.png              feature discrepancy to a central model (log.ffd_reference)
     tsne*.png            t-SNE of final test embeddings with the global prototypes
 
 Everything reads the files a run leaves (see fedbus.node.rundir); a file that
@@ -527,6 +530,174 @@ def plot_tsne(run: RunData, path: Path, report: Report, *, max_points: int = 200
     _save(fig, path, report)
 
 
+# --- Michieli & Ozay's analysis: AMM, attention, FFD ----------------------------------
+
+def _agg_points(run: RunData, key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(rounds, values) of the scalar agg.<key> of each record that has it."""
+    pts = [(r["round"], _num((r.get("agg") or {}).get(key))) for r in run.records]
+    pts = [(x, y) for x, y in pts if y is not None]
+    return (np.array([p[0] for p in pts], dtype=float), np.array([p[1] for p in pts]))
+
+
+def _note_missing(runs: list[RunData], have: list[RunData], path: Path, what: str,
+                  report: Report) -> None:
+    for run in runs:
+        if run not in have:
+            report.notes.append(f"{path.name}: {run.label} records no {what}, not drawn")
+
+
+def plot_amm(runs: list[RunData], path: Path, report: Report) -> None:
+    """agg.amm (eq. 15 as printed) and agg.amm_dist per round, runs overlaid; written
+    only when some run records them (proto-attention does)."""
+    from matplotlib.ticker import MaxNLocator
+    have = [r for r in runs if len(_agg_points(r, "amm")[0])]
+    if not have:
+        return
+    _note_missing(runs, have, path, "agg.amm", report)
+    dist = any(len(_agg_points(r, "amm_dist")[0]) for r in have)
+    fig = _figure(12.0 if dist else 8.0, 4.8)
+    axes = fig.subplots(1, 2 if dist else 1)
+    axes = list(np.atleast_1d(axes))
+    colours = _run_colours(len(runs))
+    colour_of = {id(r): c for r, c in zip(runs, colours)}
+    panels = [("amm", "AMM μ̄[t] (eq. 15 as printed)", "aggregate mean margin, eq. 15")]
+    if dist:
+        panels.append(("amm_dist", "mean d⁻ − d⁺ (amm_dist)",
+                       "un-normalised margin (our reading of Table 4)"))
+    for ax, (key, ylabel, title) in zip(axes, panels):
+        for run in have:
+            x, y = _agg_points(run, key)
+            if len(x):
+                kw = {"marker": "o", "markersize": 3} if len(x) <= 60 else {}
+                ax.plot(x, y, "-", color=colour_of[id(run)], label=run.label, linewidth=1.8,
+                        **kw)
+        ax.set_xlabel("round")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=11)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=8, loc="best")
+    fig.suptitle("Prototype margins of the aggregate (Michieli & Ozay)", fontsize=12)
+    _save(fig, path, report)
+
+
+def attention_matrix(records: list[dict[str, Any]], clients: int | None
+                     ) -> tuple[np.ndarray, list[int]]:
+    """[clients, rounds] attention a^t[k] from agg_extra.attention (NaN: the client's
+    update was not in that aggregation, or the round recorded none), and the rounds
+    (columns): every round from the first to the last that records attention."""
+    rows = [r for r in records if isinstance((r.get("agg_extra") or {}).get("attention"), dict)]
+    if not rows:
+        return np.zeros((0, 0)), []
+    seen = [int(c) for r in rows for c in r["agg_extra"]["attention"] if str(c).isdigit()]
+    n = max(int(clients or 0), max(seen, default=-1) + 1)
+    first, last = min(r["round"] for r in rows), max(r["round"] for r in rows)
+    grid = np.full((n, last - first + 1), np.nan)
+    for rec in rows:
+        for c, a in rec["agg_extra"]["attention"].items():
+            if str(c).isdigit() and _num(a) is not None:
+                grid[int(c), rec["round"] - first] = float(a)
+    return grid, list(range(first, last + 1))
+
+
+def plot_attention(run: RunData, path: Path, report: Report) -> None:
+    """Heatmap of each client's attention per aggregation (agg_extra.attention, recorded
+    by proto-attention and fedatt); written only when the run records it."""
+    clients = run.config.get("federation", {}).get("clients")
+    grid, rounds = attention_matrix(run.records, clients if isinstance(clients, int) else None)
+    if not rounds or not np.isfinite(grid).any():
+        return
+    from matplotlib import colormaps
+    from matplotlib.ticker import MaxNLocator
+    n, r = grid.shape
+    fig = _figure(min(max(5.0 + 0.3 * r, 8.0), 16.0), min(max(2.4 + 0.28 * n, 4.0), 12.0))
+    ax = fig.add_subplot()
+    cmap = colormaps["viridis"].with_extremes(bad="#e6e6e6")
+    im = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, aspect="auto",
+                   interpolation="nearest", origin="upper",
+                   extent=(rounds[0] - 0.5, rounds[-1] + 0.5, n - 0.5, -0.5))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=min(r, 20)))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True, nbins=min(n, 25)))
+    ax.set_xlabel("round")
+    ax.set_ylabel("client")
+    fig.colorbar(im, ax=ax, label="attention a[k] (sums to 1 per aggregation)")
+    ax.set_title(f"{run.label}: attention per client and aggregation\n"
+                 "(grey: not in that aggregation)", fontsize=11)
+    _save(fig, path, report)
+
+
+def _ffd_points(run: RunData) -> list[dict[str, Any]]:
+    return [r for r in run.records if _num(r.get("ffd_mean")) is not None]
+
+
+def plot_ffd(runs: list[RunData], path: Path, report: Report) -> None:
+    """FFD (eq. 16: mean over clients of the MMD against the reference run's features)
+    per round, runs overlaid; right: eq. 17's FFD % of each run against the first one
+    (several runs), or the per-client MMD of the last evaluation (one run)."""
+    from matplotlib.ticker import MaxNLocator
+
+    from fedbus.node.ffd import ffd_gain
+    have = [r for r in runs if _ffd_points(r)]
+    if not have:
+        return
+    _note_missing(runs, have, path, "ffd (log.ffd_reference unset)", report)
+    fig = _figure(13.0, 5.0)
+    ax1, ax2 = fig.subplots(1, 2)
+    colours = _run_colours(len(runs))
+    colour_of = {id(r): c for r, c in zip(runs, colours)}
+    for run in have:
+        pts = _ffd_points(run)
+        x = np.array([float(r["round"]) for r in pts])
+        y = np.array([float(r["ffd_mean"]) for r in pts])
+        sd = np.array([_num(r.get("ffd_std")) or 0.0 for r in pts])
+        kw = {"marker": "o", "markersize": 3} if len(x) <= 60 else {}
+        c = colour_of[id(run)]
+        ax1.plot(x, y, "-", color=c, label=run.label, linewidth=1.8, **kw)
+        ax1.fill_between(x, np.clip(y - sd, 0, None), y + sd, color=c, alpha=0.15,
+                         linewidth=0)
+    ax1.set_xlabel("round")
+    ax1.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax1.set_ylabel("MMD to the reference's features (mean over clients)")
+    ax1.set_ylim(bottom=0)
+    ax1.set_title("Feature discrepancy per round (eq. 16; shaded: ± std over clients)",
+                  fontsize=10)
+    ax1.grid(True, alpha=0.3)
+    ax1.legend(fontsize=8, loc="best")
+    if len(have) > 1:
+        base = have[0]
+        b = float(_ffd_points(base)[-1]["ffd_mean"])
+        others = have[1:]
+        gains = [ffd_gain(b, float(_ffd_points(r)[-1]["ffd_mean"])) if b > 0 else np.nan
+                 for r in others]
+        ax2.bar(range(len(others)), np.nan_to_num(gains), width=0.6,
+                color=[colour_of[id(r)] for r in others])
+        ax2.set_xlim(-0.7, max(len(others), 2) - 0.3)
+        ax2.set_xticks(range(len(others)))
+        ax2.set_xticklabels([r.label for r in others], rotation=20, ha="right", fontsize=8)
+        ax2.axhline(0.0, color="black", linewidth=0.8)
+        for i, g in enumerate(gains):
+            ax2.annotate(f"{g:+.1f} %" if np.isfinite(g) else "n/a", (i, np.nan_to_num(g)),
+                         ha="center", va="bottom" if np.nan_to_num(g) >= 0 else "top",
+                         fontsize=9)
+        ax2.set_ylabel("FFD (%)")
+        ax2.set_title(f"FFD against {base.label} at the last evaluation\n"
+                      "(eq. 17; higher = features closer to the reference)", fontsize=10)
+    else:
+        last = _ffd_points(have[0])[-1]
+        per = {int(k): _num(v) for k, v in (last.get("ffd") or {}).items()
+               if str(k).isdigit() and _num(v) is not None}
+        ks = sorted(per)
+        ax2.bar(ks, [per[k] for k in ks], color=colour_of[id(have[0])])
+        ax2.set_xlabel("client")
+        ax2.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=min(max(len(ks), 1), 25)))
+        ax2.set_ylabel("MMD to the reference's features")
+        ax2.set_title(f"Per client, round {last['round']} (the last evaluation)", fontsize=10)
+    ax2.grid(True, axis="y", alpha=0.3)
+    fig.suptitle("Federated feature discrepancy against the reference (central) model",
+                 fontsize=12)
+    _save(fig, path, report)
+
+
 # --- all of them ------------------------------------------------------------------
 
 def plot_runs(runs: list[RunData], out: Path, *, tsne: bool = True,
@@ -541,6 +712,8 @@ def plot_runs(runs: list[RunData], out: Path, *, tsne: bool = True,
     plot_accuracy(runs, "round", out / "accuracy-round.png", report)
     plot_accuracy(runs, "time", out / "accuracy-time.png", report)
     plot_bytes(runs, out / "bytes.png", report)
+    plot_amm(runs, out / "amm.png", report)
+    plot_ffd(runs, out / "ffd.png", report)
     names: set[str] = set()
     for run in runs:
         suffix = ""
@@ -550,6 +723,7 @@ def plot_runs(runs: list[RunData], out: Path, *, tsne: bool = True,
                 suffix += "_"
             names.add(suffix)
         plot_participation(run, out / f"participation{suffix}.png", report)
+        plot_attention(run, out / f"attention{suffix}.png", report)
         if tsne:
             plot_tsne(run, out / f"tsne{suffix}.png", report, max_points=tsne_points)
     return report

@@ -26,7 +26,7 @@ from fedbus.node.config import Config
 from fedbus.node.engine import SERVER, Engine, Out, client_index, count_params
 from fedbus.node.msglog import MessageLogWriter
 from fedbus.node.rundir import RunDir, atomic_write, summarise
-from fedbus.node.setup import check_models, federated_data, make_model
+from fedbus.node.setup import check_models, federated_data, make_model, pooled_train
 from fedbus.node.validate import Rejected, check_update
 
 log = get_logger("fedbus.server")
@@ -42,7 +42,8 @@ def build_handler(cfg: Config) -> ServerHandler:
                         num_classes=data.num_classes, feature_dim=feature_dim,
                         clients=cfg.federation.clients, rounds=cfg.federation.rounds,
                         seed=cfg.federation.seed, homogeneous=len(archs) == 1,
-                        make_model=lambda i: make_model(cfg, i, data))
+                        make_model=lambda i: make_model(cfg, i, data),
+                        pooled_train=lambda: pooled_train(data))
     return algo.server(ctx)
 
 
@@ -112,6 +113,13 @@ class ServerNode:
         self.run_id = self._run_id(run_id)
         self.broker = broker
         self.engine = build_engine(cfg, self.run_id)
+        if cfg.log.ffd_reference:  # analysis metric, not part of the replayed mathematics
+            from fedbus.node.ffd import FeatureDiscrepancy
+
+            ffd = FeatureDiscrepancy(cfg)
+            for note in ffd.notes:
+                log.warning("ffd reference", note=note)
+            self.engine.eval_metrics.append(ffd.record_metrics)
         self.started = time.time()
         self.msglog: MessageLogWriter | None = None
         self._status_at = 0.0

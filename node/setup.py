@@ -47,3 +47,14 @@ def check_models(cfg: Config, needs_same_model: bool) -> int:
         raise ConfigError(f"model.group gives different feature dims {dims}; set "
                           "model.feature_dim so prototypes share one space")
     return next(iter(dims.values()))
+
+
+def pooled_train(data: FederatedData):
+    """Every client's training split concatenated in client order, (x float32, y int64):
+    the data of the `central` baseline. Simulation only (one process holds it all)."""
+    import numpy as np
+
+    parts = [data.client(i) for i in range(data.num_clients)]
+    x = np.concatenate([p.train_x for p in parts]).astype(np.float32, copy=False)
+    y = np.concatenate([p.train_y for p in parts]).astype(np.int64, copy=False)
+    return x, y

@@ -23,9 +23,13 @@ from fedbus.launch.cli import main as fedbus
 # --- a run directory written by hand, in the exact format the server writes --------
 
 def fake_run(path: Path, *, algorithm: str = "fedproto", clients: int = 8, rounds: int = 6,
-             seed: int = 0, finished: bool = True, pool: bool = False) -> Path:
+             seed: int = 0, finished: bool = True, pool: bool = False,
+             analysis: bool = False) -> Path:
     """config.json, metrics.jsonl (every status of the participation grid occurs),
-    summary.json and embeddings.fbk, as fedbus.node.server writes them."""
+    summary.json and embeddings.fbk, as fedbus.node.server writes them. analysis: the
+    records also carry Michieli & Ozay's metrics (agg.amm, agg.amm_dist,
+    agg_extra.attention, as proto-attention writes them, and ffd* from
+    log.ffd_reference)."""
     rng = np.random.default_rng(seed)
     path.mkdir(parents=True)
     (path / "logs").mkdir()
@@ -71,6 +75,15 @@ def fake_run(path: Path, *, algorithm: str = "fedproto", clients: int = 8, round
                "acc_weighted": float(accs.mean()), "proto_acc_mean": float(paccs.mean()),
                "proto_acc_std": float(paccs.std()), "proto_acc_weighted": float(paccs.mean()),
                "loss_mean": 1.0 / (r + 1), "loss_std": 0.1, "per_client": per_client}
+        if analysis:
+            took = rec["participants"]
+            att = rng.dirichlet(np.ones(len(took)))
+            rec["agg"].update(amm=0.9, amm_dist=0.5 + 0.3 * r)
+            rec["agg_extra"] = {"attention": {str(c): float(a) for c, a in zip(took, att)}}
+            ffd = {str(c): float(0.8 - 0.05 * r + rng.uniform(0, 0.1)) for c in range(clients)}
+            rec.update(ffd=ffd, ffd_mean=float(np.mean(list(ffd.values()))),
+                       ffd_std=float(np.std(list(ffd.values()))),
+                       ffd_round_mean=float(np.mean([ffd[str(c)] for c in took])))
         records.append(rec)
     with open(path / "metrics.jsonl", "w") as f:
         for rec in records:
@@ -269,3 +282,48 @@ def test_without_matplotlib_exits_2_with_the_install_hint(tmp_path, monkeypatch,
     assert not (run / "plots").exists()
 
 
+
+
+# --- Michieli & Ozay's analysis: AMM, attention, FFD ------------------------------------
+
+ANALYSIS = ["amm.png", "attention.png", "ffd.png"]
+
+
+def test_analysis_figures_are_drawn_when_recorded(tmp_path, capsys):
+    run = fake_run(tmp_path / "pa", algorithm="proto-attention", analysis=True)
+    assert fedbus(["plot", str(run), "--no-tsne"]) == 0
+    names = sorted(p.name for p in (run / "plots").iterdir())
+    assert names == sorted(["accuracy-round.png", "accuracy-time.png", "bytes.png",
+                            "participation.png", *ANALYSIS])
+    for name in ANALYSIS:
+        assert_real_png(run / "plots" / name)
+    assert "amm.png" not in capsys.readouterr().err
+
+
+def test_analysis_figures_with_several_runs(tmp_path, monkeypatch, capsys):
+    base = fake_run(tmp_path / "avg", algorithm="fedavg", seed=1, analysis=True)
+    pa = fake_run(tmp_path / "pa", algorithm="proto-attention", seed=2, analysis=True)
+    plain = fake_run(tmp_path / "plain", algorithm="fedproto", seed=3)  # none of them
+    monkeypatch.chdir(tmp_path)
+    assert fedbus(["plot", str(base), str(pa), str(plain), "--no-tsne",
+                   "--label", "FedAvg", "--label", "ProtoAtt", "--label", "FedProto"]) == 0
+    out = tmp_path / "plots-compare"
+    names = {p.name for p in out.iterdir()}
+    assert {"amm.png", "ffd.png", "attention-FedAvg.png", "attention-ProtoAtt.png"} <= names
+    assert "attention-FedProto.png" not in names
+    for name in ("amm.png", "ffd.png", "attention-ProtoAtt.png"):
+        assert_real_png(out / name)
+    err = capsys.readouterr().err
+    assert "ffd.png: FedProto records no ffd" in err
+
+
+def test_attention_matrix():
+    from fedbus.node.plots import attention_matrix
+    recs = [{"round": 0, "agg_extra": {"attention": {"0": 0.25, "2": 0.75}}},
+            {"round": 1, "agg": {}},  # an aggregation without attention: a grey column
+            {"round": 2, "agg_extra": {"attention": {"1": 1.0}}}]
+    grid, rounds = attention_matrix(recs, clients=4)
+    assert rounds == [0, 1, 2] and grid.shape == (4, 3)
+    assert grid[0, 0] == 0.25 and grid[2, 0] == 0.75 and grid[1, 2] == 1.0
+    assert np.isnan(grid[:, 1]).all() and np.isnan(grid[3]).all()
+    assert attention_matrix([{"round": 0}], clients=4)[1] == []
