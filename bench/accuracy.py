@@ -46,7 +46,8 @@ from typing import Any
 
 import tomllib
 
-from fedbus.bench.common import run
+from fedbus.bench.common import mean_std as _mean_std
+from fedbus.bench.common import run_or_reuse
 
 REPO = Path(__file__).resolve().parents[1]
 MNIST = REPO.parent / "shared" / "data" / "mnist-10k.npz"
@@ -158,36 +159,12 @@ def config(args: argparse.Namespace, algorithm: str, seed: int,
     }
 
 
-def _complete(run_dir: Path, rounds: int) -> dict | None:
-    try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return summary if summary.get("rounds_completed") == rounds else None
-
-
 def one_run(args: argparse.Namespace, out: Path, algorithm: str, seed: int,
             group: list[str] | None) -> dict[str, Any]:
     name = run_name(args, algorithm, seed, group)
-    run_dir = out / name
-    summary = _complete(run_dir, args.rounds)
-    note = "reused"
-    wall = float("nan")
-    if summary is None:
-        t0 = time.perf_counter()
-        try:
-            finished = run(config(args, algorithm, seed, group), name, out=out,
-                           timeout=args.timeout)
-            summary, note = finished.summary, ""
-        except RuntimeError as err:
-            # `fedbus run` exits 1 when a client node leaves on the server's shutdown
-            # before the server process has exited (launch/run_cmd.py, supervise()): the
-            # run itself is complete when summary.json holds every round.
-            summary = _complete(run_dir, args.rounds)
-            if summary is None:
-                raise
-            note = f"launcher exit 1 after a complete run ({err})"
-        wall = time.perf_counter() - t0
+    done = run_or_reuse(config(args, algorithm, seed, group), name, out=out,
+                        timeout=args.timeout)
+    run_dir, summary, wall, note = done.run_dir, done.summary, done.wall_s, done.note
     final = summary.get("final", {})
     by_arch = _by_arch(run_dir, group) if group else {}
     res = {"algorithm": algorithm, "seed": seed, "hetero": bool(group), "run_dir": str(run_dir),
@@ -237,15 +214,6 @@ def arch_table(results: list[dict[str, Any]], algorithms: list[str],
             cells.append(f"{100 * acc:.2f} / " + (f"{100 * pro:.2f}" if n else "-"))
         lines.append(f"  {LABELS.get(algo, algo):<22}" + "".join(f"{c:>26}" for c in cells))
     return lines
-
-
-def _mean_std(values: list[float | None]) -> tuple[float, float, int]:
-    vals = [float(v) for v in values if v is not None and not math.isnan(float(v))]
-    if not vals:
-        return float("nan"), float("nan"), 0
-    m = sum(vals) / len(vals)
-    sd = math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else 0.0
-    return m, sd, len(vals)
 
 
 def _cell(values: list[float | None]) -> str:

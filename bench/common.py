@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import tempfile
@@ -71,3 +72,53 @@ def run(sections: dict[str, dict[str, Any]], name: str, *, out: Path | None = No
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return Finished(run_dir, wall, peak, summary, records)
+
+
+def complete_summary(run_dir: Path, rounds: int) -> dict[str, Any] | None:
+    """RUN/summary.json when it holds every one of `rounds` rounds, else None."""
+    try:
+        summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if summary.get("rounds_completed") == rounds else None
+
+
+@dataclass
+class Outcome:
+    run_dir: Path
+    summary: dict[str, Any]
+    wall_s: float  # nan when reused
+    note: str  # "reused", "" (ran), or why a failed launcher still counts
+
+
+def run_or_reuse(sections: dict[str, dict[str, Any]], name: str, *, out: Path,
+                 timeout: float) -> Outcome:
+    """OUT/NAME reused when its summary holds every round (an interrupted benchmark resumes
+    where it stopped), else one real `fedbus run` of `sections` there."""
+    rounds = sections["federation"]["rounds"]
+    run_dir = out / name
+    summary = complete_summary(run_dir, rounds)
+    if summary is not None:
+        return Outcome(run_dir, summary, float("nan"), "reused")
+    t0 = time.perf_counter()
+    try:
+        summary, note = run(sections, name, out=out, timeout=timeout).summary, ""
+    except RuntimeError as err:
+        # `fedbus run` exits 1 when a client node leaves on the server's shutdown before
+        # the server process has exited (launch/run_cmd.py, supervise()): the run itself
+        # is complete when summary.json holds every round.
+        summary = complete_summary(run_dir, rounds)
+        if summary is None:
+            raise
+        note = f"launcher exit 1 after a complete run ({err})"
+    return Outcome(run_dir, summary, time.perf_counter() - t0, note)
+
+
+def mean_std(values: list[float | None]) -> tuple[float, float, int]:
+    """(mean, sample std, n) of the values that are numbers; (nan, nan, 0) when none."""
+    vals = [float(v) for v in values if v is not None and not math.isnan(float(v))]
+    if not vals:
+        return float("nan"), float("nan"), 0
+    m = sum(vals) / len(vals)
+    sd = math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else 0.0
+    return m, sd, len(vals)

@@ -15,6 +15,8 @@ BENCHES = {
     "rounds": ("rounds", "framework overhead per round with no-op training"),
     "stragglers": ("stragglers", "time to finish R rounds with deadline/async vs wait-for-all"),
     "accuracy": ("accuracy", "the algorithms' accuracy table on offline MNIST over seeds"),
+    "reproduce": ("reproduce", ("one paper's table rerun offline at its settings, scaled "
+                                "to this machine, beside the paper's numbers")),
 }
 
 
