@@ -3,7 +3,7 @@
 Qiao, Park, Kang, Hong, "Prototype Helps Federated Learning: Towards Faster
 Convergence" (arXiv:2303.12296, 2023), Algorithm 1 ("ProtoFed") and eqs. 1-4.
 No reference code is published; the equation-by-equation audit, with the
-paper's settings and numbers, is docs/fidelity/fedavg-proto.md.
+paper's settings and numbers, is docs/FIDELITY.md (fedavg-proto).
 
 Training is plain FedAvg (eq. 1, inherited from `FedAvgServer` /
 `FedAvgClient`: sample-count-weighted averaging, staleness weights included).

@@ -5,7 +5,7 @@ Learning across Heterogeneous Clients", AAAI 2022 (arXiv:2105.00243).
 Reference code: github.com/yuetan031/FedProto (lib/update.py
 `update_weights_het`, `test_inference_new_het_lt`; lib/utils.py `agg_func`,
 `proto_aggregation`). The equation-by-equation audit, with the paper's
-settings and numbers: docs/fidelity/fedproto.md.
+settings and numbers: docs/FIDELITY.md (fedproto).
 
 Only class prototypes travel; every client keeps its own network, so clients
 may run different architectures as long as `features()` has one dimension D.
@@ -33,7 +33,7 @@ Client i, per task:
   paper's Algorithm 1 line 1 initialises the global set without saying how).
   The paper's lam values were tuned with the code's "mse"; eq. 8's unsquared
   L2 pulls much harder, and at lam = 1 it costs ~8 points on offline MNIST
-  (docs/fidelity/fedproto.md): to reproduce the published numbers use
+  (docs/FIDELITY.md (fedproto)): to reproduce the published numbers use
   proto_loss = "mse", or "paper" with a smaller lam (0.1 did as well there).
 - local prototypes (eq. 3): C_i,k = mean of f_i(x) over the client's training
   samples D_i,k of class k. PARAM `proto_source`:

@@ -6,7 +6,7 @@ in Federated Learning", AAAI 2024 (arXiv:2401.03230). Reference code:
 github.com/TsingZ0/FedTGP (system/flcore/servers/servertgp.py,
 system/flcore/clients/clienttgp.py, system/main.py, system/run_me.sh; the same
 two files in TsingZ0/HtFLlib). Equation numbers are the paper's; the
-equation-by-equation audit is docs/fidelity/fedtgp.md. Defaults follow the
+equation-by-equation audit is docs/FIDELITY.md (fedtgp). Defaults follow the
 paper; where the reference code differs, its behaviour is a named option.
 
 Client i (Algorithm 1 lines 6-9):

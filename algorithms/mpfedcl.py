@@ -4,7 +4,7 @@ Yu Qiao, Md. Shirajum Munir, Apurba Adhikary, Huy Q. Le, Avi Deb Raha, Chaoning
 Zhang, Choong Seon Hong, "MP-FedCL: Multiprototype Federated Contrastive Learning
 for Edge Intelligence", IEEE Internet of Things Journal 2024, arXiv:2304.01950.
 No reference code is public. Equation numbers below are the paper's; the
-equation-by-equation audit is docs/fidelity/mpfedcl.md. Our copy of the paper
+equation-by-equation audit is docs/FIDELITY.md (mpfedcl). Our copy of the paper
 lost the bodies of its numbered equations, so each is read from its
 where-clause, the prose and the algorithms as described (the audit says where
 that leaves a choice). Every choice where fedbus departs from the paper, or
@@ -134,7 +134,7 @@ Prototype space: the paper's prototypes are the input of the decision layer
 (256-d for its MLP: Table II counts 5,120 = 10 classes x k = 2 x 256 numbers
 on MNIST; Sec. IV-D "the output before the decision-making layer"). Here they
 are `features()` of the model; fedbus's "mlp-fedcl" splits after the 512-d
-encoder (see docs/fidelity/mpfedcl.md).
+encoder (see docs/FIDELITY.md (mpfedcl)).
 
 Scale: with pool = "all" the task grows with the clients of an aggregation
 (padding = "client": n x k entries per class, e.g. 1000 clients x 2 x 10

@@ -4,7 +4,7 @@ Umberto Michieli, Mete Ozay, "Prototype Guided Federated Learning of Visual
 Feature Representations", arXiv:2105.08982 (2021). The paper calls the method
 FedProto; it is registered here as "proto-attention" to keep it apart from
 Tan et al.'s FedProto ("fedproto"). Equation numbers below are the paper's;
-the line-by-line audit against the paper is docs/fidelity/proto-attention.md.
+the line-by-line audit against the paper is docs/FIDELITY.md (proto-attention).
 Every default is the paper's where the paper is explicit; each other choice is
 a PARAM, marked "non-paper" below.
 

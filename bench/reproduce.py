@@ -162,7 +162,7 @@ TAN = Recipe(
          "MNIST's test set"),
     ),
     notes=(("The paper's stds come from its code's running counters, not per-client stds "
-            "(docs/fidelity/fedproto.md): compare the means."),),
+            "(docs/FIDELITY.md (fedproto)): compare the means."),),
     smoke={"federation": {"clients": 4}, "data": {"shots": 20, "shots_std": 5.0}},
 )
 
@@ -242,7 +242,7 @@ _MU_NOTE = ("FedProx mu and FedProto lambda: the paper's grid-searched values ar
             "given; fedbus's defaults")
 _SPLIT_NOTE = ("prototypes are the 512-d encoder output (fedbus's mlp-fedcl splits the "
                "network after its encoder); the paper's are the 256-d input of its decision "
-               "layer (Table II; docs/fidelity/mpfedcl.md)")
+               "layer (Table II; docs/FIDELITY.md (mpfedcl))")
 
 
 def _fedcl_rows(k: int, rounds: Mapping[str, int], paper: Mapping[str, tuple]) -> tuple:

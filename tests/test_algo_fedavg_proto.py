@@ -1,5 +1,5 @@
 """fedavg-proto (Qiao et al., "Prototype helps federated learning"; audit:
-docs/fidelity/fedavg-proto.md): the defaults are the paper's; prototypes are asked for in the
+docs/FIDELITY.md (fedavg-proto)): the defaults are the paper's; prototypes are asked for in the
 last round only (Algorithm 1 lines 5-9) or every round (the curves); eq. 2 (class means of the
 post-training local model's features), eq. 3 (plain per-class mean over the clients that have
 the class; the count-weighted option; staleness) and eq. 4 (nearest prototype with the latest

@@ -1,4 +1,4 @@
-"""fedproto (Tan et al., AAAI 2022; audit: docs/fidelity/fedproto.md): the defaults are
+"""fedproto (Tan et al., AAAI 2022; audit: docs/FIDELITY.md (fedproto)): the defaults are
 the paper's; prototype aggregation by hand (eq. 6 count-weighted, the code's unweighted
 mean, staleness, the "has" mask, keep_missing), the client regularisers by hand (eqs. 7-8
 on a hand-made two-dimensional network, the code's MSE), local prototypes (eq. 3, and the
