@@ -95,7 +95,7 @@ def test_the_numbers_quoted_in_the_issue():
            if r.paper and r.paper[0]}
     assert (syn["Attention, mean over δ"], syn["FedProx, mean over δ"],
             syn["FedAvg, mean over δ"]) == (78.7, 74.8, 72.3)
-    tan = {r.label: r.paper[0].value for r in rp.RECIPES["tan-table1"].rows}
+    tan = {r.label: r.paper[0].value for r in rp.RECIPES["tan-table1"].rows if r.paper[0]}
     assert tan == {"Local": 94.05, "FedAvg": 95.04, "FedProx": 96.26, "FedProto": 97.13}
 
 
@@ -246,7 +246,7 @@ def test_tan_table1_end_to_end_at_smoke_scale(tmp_path):
     # a second call reuses every run by name
     again = fedbus("bench", "reproduce", "tan-table1", "--scale", "smoke", "--nodes", "1",
                    "--data", str(MNIST_NPZ), "--out", str(out), timeout=300)
-    assert again.stdout.count(": reused") == 4
+    assert again.stdout.count(": reused") == len(rp.RECIPES["tan-table1"].rows)
 
 
 def test_a_failed_run_leaves_its_rows_empty_and_the_others_go_on(monkeypatch, tmp_path):
@@ -264,6 +264,7 @@ def test_a_failed_run_leaves_its_rows_empty_and_the_others_go_on(monkeypatch, tm
     monkeypatch.setattr(rp, "_records", lambda run_dir: [{"acc_mean": 0.5,
                                                           "proto_acc_mean": 0.75}])
     per_run, failed = rp.run_all(recipe, runs, tmp_path, 10.0)
-    assert len(calls) == 4 and len(failed) == 1 and failed[0].startswith("fedavg-")
+    assert len(calls) == len(recipe.rows) and len(failed) == 1
+    assert failed[0].startswith("fedavg-")
     assert per_run[("FedAvg", 0)] is None
     assert per_run[("Local", 0)] == 50.0 and per_run[("FedProto", 0)] == 75.0
