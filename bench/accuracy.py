@@ -61,7 +61,8 @@ LABELS = {"local": "Local", "fedavg": "FedAvg", "fedprox": "FedProx", "fedproto"
 # the offline examples' [algorithm] sections, should the examples folder be missing
 FALLBACK_PARAMS: dict[str, dict[str, Any]] = {
     "fedprox": {"mu": 0.01}, "fedproto": {"lam": 1.0}, "fedavg-proto": {"every_round": True},
-    "mpfedcl": {"k": 3, "tau": 0.07}, "fedtgp": {"lam": 10.0, "server_epochs": 100},
+    "mpfedcl": {"k": 2, "tau": 0.07, "lr_decay": 0.95},
+    "fedtgp": {"lam": 0.1, "server_epochs": 100},
 }
 DEFAULT_GROUP = ["cnn", "cnn4", "resnet8"]
 DEFAULT_FEATURE_DIM = 64

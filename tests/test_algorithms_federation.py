@@ -27,7 +27,7 @@ PROTO_METRIC = {"fedproto", "fedavg-proto", "mpfedcl", "proto-attention", "fedtg
 # simulated slow device takes slow_factor times longer for it too: at 100x, the
 # straggler's k-means (and sklearn's first import) would push its late update past
 # the end of the run. k = 1 (SP-FedCL: class means, no k-means) keeps it foldable;
-# the async run below trains the default k = 3.
+# the async run below trains the default k = 2.
 SYNC_PARAMS = {"mpfedcl": {"k": 1}}
 # FedAvg-proto uploads prototypes in the last round only; in async mode the last
 # buffer may hold only updates made from earlier versions, so ask every round.
