@@ -97,6 +97,9 @@ SCHEMA: dict[str, dict[str, Opt]] = {
         "drop_prob": Opt(0.0, "probability that a client silently drops a task", min=0.0,
                          max=1.0),
         "partial_work": Opt(False, "clients run F' ~ U[0, F] epochs (FedProx-style)"),
+        "partial_fraction": Opt(1.0, "partial_work: each task is partial with this probability "
+                                "(FedProx's stragglers, Michieli & Ozay's delta)",
+                                min=0.0, max=1.0),
     },
     "privacy": {
         "clip_norm": Opt(0.0, "clip each uploaded prototype to this L2 norm (0 = off)", min=0.0),

@@ -190,7 +190,10 @@ class Engine:
                                "drop": bool(self.rng.random() < sys_cfg.drop_prob)
                                if sys_cfg.drop_prob > 0 else False,
                                "epochs_to_run": float(epochs)}
-        if sys_cfg.partial_work:
+        # At fraction 1 every task is partial and no extra number is drawn, so runs made
+        # before partial_fraction existed keep their random stream.
+        if sys_cfg.partial_work and (sys_cfg.partial_fraction >= 1.0
+                                     or self.rng.random() < sys_cfg.partial_fraction):
             sim["epochs_to_run"] = float(self.rng.uniform(0.0, epochs))
         return sim
 

@@ -415,3 +415,17 @@ def test_a_diverged_client_is_flagged_at_home_and_its_round_ends_at_the_server()
     assert non_finite(update["payload"]) == []
     assert non_finite({"a": [np.zeros(2), {"b": np.array([1.0, np.inf])}], "n": 3,
                        "x": math.nan, "i": np.array([1, 2])}) == ["payload.a[1].b", "payload.x"]
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_partial_fraction_is_the_share_of_partial_tasks(fraction):
+    """system.partial_fraction (Michieli & Ozay's delta): each task is partial, F' ~ U[0, F],
+    with this probability; the others run all F epochs."""
+    cfg = build_config(merged(SMALL, federation={"clients": 2, "rounds": 1, "seed": 3},
+                              train={"epochs": 4},
+                              system={"partial_work": True, "partial_fraction": fraction}))
+    engine = build_engine(cfg, RUN)
+    sims = [engine._simulate(0) for _ in range(2000)]
+    partial = [s["epochs_to_run"] for s in sims if s["epochs_to_run"] != 4.0]
+    assert abs(len(partial) / len(sims) - fraction) < 0.04
+    assert all(0.0 <= e < 4.0 for e in partial)
