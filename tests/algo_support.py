@@ -34,7 +34,20 @@ TRAIN = {"lr": 0.05, "momentum": 0.5, "weight_decay": 0.0, "batch_size": 32}
 
 # --- networks -------------------------------------------------------------------------------
 
-class Net(nn.Module):
+class BodyHead(nn.Module):
+    """The split every fedbus network has: features = self.body, head = self.fc."""
+
+    def features(self, x):
+        return self.body(x)
+
+    def head(self, h):
+        return self.fc(h)
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+class Net(BodyHead):
     """Linear layers d_in -> *hidden -> feat with ReLUs (``features``), then a linear head."""
 
     def __init__(self, d_in: int = 64, hidden: tuple[int, ...] = (), feat: int = D,
@@ -47,14 +60,6 @@ class Net(nn.Module):
         self.body = nn.Sequential(*pre, nn.Linear(width, feat), nn.ReLU())
         self.fc = nn.Linear(feat, classes)
 
-    def features(self, x):
-        return self.body(x)
-
-    def head(self, h):
-        return self.fc(h)
-
-    def forward(self, x):
-        return self.head(self.features(x))
 
 
 def make_model(i: int, seed: int = 0, deep: bool = False) -> Net:

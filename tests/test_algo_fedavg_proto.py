@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from algo_support import C, D, TRAIN, check_spec, freeze, server_ctx, simulate, update
+from algo_support import TRAIN, BodyHead, C, D, check_spec, freeze, server_ctx, simulate, update
 from torch import nn
 
 from fedbus.algorithms import get_algorithm
@@ -27,7 +27,7 @@ B = {"protos": np.array([[4, 3], [2, 2], [5, 5]], np.float32),
      "counts": np.array([1, 3, 4], np.int64)}
 
 
-class Tiny(nn.Module):
+class Tiny(BodyHead):
     """features(x) = x @ F.T + f, head(h) = h @ W.T + b on 2-d inputs, 3 classes."""
 
     def __init__(self, F=((1.0, 0.0), (0.0, 1.0)), f=(0.0, 0.0),
@@ -39,15 +39,6 @@ class Tiny(nn.Module):
             for p, v in ((self.body.weight, F), (self.body.bias, f), (self.fc.weight, W),
                          (self.fc.bias, b)):
                 p.copy_(torch.tensor(v, dtype=torch.float32))
-
-    def features(self, x):
-        return self.body(x)
-
-    def head(self, h):
-        return self.fc(h)
-
-    def forward(self, x):
-        return self.head(self.features(x))
 
 
 def tiny_client(model, x, y, params, test=None):

@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from algo_support import (C, D, TRAIN, check_spec, client_ctx, digits_parts, freeze,
+from algo_support import (TRAIN, BodyHead, C, D, check_spec, client_ctx, digits_parts, freeze,
                           server_ctx, simulate, update)
 from sklearn.datasets import load_digits
 from torch import nn
@@ -195,7 +195,7 @@ def test_fedproto_paper_regulariser_by_hand():
     assert loss == pytest.approx(ce + 0.5 * reg, rel=1e-5)
 
 
-class Tiny(nn.Module):
+class Tiny(BodyHead):
     """A hand-made network on 2-d inputs: features(x) = x @ F.T + f (identity by default),
     head(h) = h @ W.T + b with the given 3 x 2 W. Everything it computes is a few lines
     of numpy."""
@@ -209,15 +209,6 @@ class Tiny(nn.Module):
             self.body.bias.zero_()
             self.fc.weight.copy_(torch.tensor(W, dtype=torch.float32))
             self.fc.bias.copy_(torch.tensor(b, dtype=torch.float32))
-
-    def features(self, x):
-        return self.body(x)
-
-    def head(self, h):
-        return self.fc(h)
-
-    def forward(self, x):
-        return self.head(self.features(x))
 
 
 def tiny_ctx(model, x, y, params, train=None):
