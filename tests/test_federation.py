@@ -44,13 +44,16 @@ def test_partial_participation_samples_a_fraction(tmp_path):
 
 
 def test_async_mode_aggregates_every_buffer(tmp_path):
+    # Which updates fill which buffer depends on timing, and so does what five buffers of
+    # two learn (0.12-0.32 over six runs with both nodes started at once); ten learn
+    # 0.37-0.61, clear of chance whatever the interleaving.
     cfg = merged(SMALL, federation={"mode": "async", "concurrency": 4, "buffer": 2,
-                                    "rounds": 5, "eval_every": 5}, train={"epochs": 3})
+                                    "rounds": 10, "eval_every": 10}, train={"epochs": 3})
     run, summary = run_federation(tmp_path, cfg)
     recs = metrics(run)
-    assert summary["rounds_completed"] == 5
-    assert [r["version"] for r in recs] == [1, 2, 3, 4, 5]  # one line per aggregation
-    assert ["acc_mean" in r for r in recs] == [False] * 4 + [True]  # evaluated every 5th
+    assert summary["rounds_completed"] == 10
+    assert [r["version"] for r in recs] == list(range(1, 11))  # one line per aggregation
+    assert ["acc_mean" in r for r in recs] == [False] * 9 + [True]  # evaluated every 10th
     assert all(r["updates"] == 2 for r in recs)
     assert summary["final"]["acc_mean"] > 0.2  # chance is 0.1
 
