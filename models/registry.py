@@ -26,6 +26,24 @@ def _cnn(in_shape, num_classes, feature_dim=None, option=None):
     return FedProtoCNN(in_shape, num_classes, feature_dim, out_channels=out_channels)
 
 
+def _option_int(arch: str, option: str, what: str) -> int:
+    try:
+        value = int(option)
+    except ValueError:
+        raise ValueError(f"{arch}:{option}: the option is {what}, an integer") from None
+    if value < 1:
+        raise ValueError(f"{arch}:{option}: {what} must be >= 1")
+    return value
+
+
+def _mlp(in_shape, num_classes, feature_dim=None, option=None):
+    if option is None:
+        return MLP(in_shape, num_classes, feature_dim)
+    # mlp:128 with feature_dim 256 is Michieli & Ozay's synthetic network (appendix S1)
+    return MLP(in_shape, num_classes, feature_dim,
+               hidden=_option_int("mlp", option, "the first hidden layer's width"))
+
+
 def _plain(cls):
     def make(in_shape, num_classes, feature_dim=None):
         return cls(in_shape, num_classes, feature_dim)
@@ -50,7 +68,7 @@ ARCHS: dict[str, Callable[..., ProtoNet]] = {
     "resnet18": _resnet("resnet18"),
     "resnet34": _resnet("resnet34"),
     "mobilenetv2": _plain(MobileNetV2),
-    "mlp": _plain(MLP),
+    "mlp": _mlp,
 }
 
 #: each architecture's own feature (prototype) dimension
@@ -75,8 +93,9 @@ def parse_arch(arch: str) -> tuple[str, str | None]:
     if base not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; known architectures: {', '.join(ARCHS)} "
                          f"(cnn takes an out-channels option, e.g. cnn:18)")
-    if option and base != "cnn":
-        raise ValueError(f"arch {arch!r}: only cnn takes an option (cnn:OUT_CHANNELS)")
+    if option and base not in ("cnn", "mlp"):
+        raise ValueError(f"arch {arch!r}: only cnn (cnn:OUT_CHANNELS) and mlp (mlp:HIDDEN) "
+                         f"take an option")
     return base, (option or None)
 
 
@@ -86,7 +105,8 @@ def build_model(arch: str, *, in_shape: tuple[int, ...], num_classes: int,
     """Build a network of the registry.
 
     arch: a name of ``ARCHS`` ("cnn", "cnn:18", "cnn4", "mlp-fedcl", "resnet8", "resnet10",
-        "resnet18", "resnet34", "mobilenetv2", "mlp"); unknown -> ValueError listing them.
+        "resnet18", "resnet34", "mobilenetv2", "mlp", "mlp:128" = first hidden layer 128
+        wide); unknown -> ValueError listing them.
     in_shape: one sample's shape, images ``(C, H, W)`` (any C; 8x8 and up), tabular/1-D ``(D,)``
         (mlp and mlp-fedcl flatten anything; the conv nets need images, else ValueError).
     feature_dim: None or 0 = the arch's native prototype dimension (``NATIVE_FEATURE_DIM``);

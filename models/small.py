@@ -120,13 +120,13 @@ class FedCLMLP(ProtoNet):
 
 class MLP(ProtoNet):
     """A plain MLP for tabular, FedProx-synthetic and MNIST-1D data (also takes
-    images, flattened): D->200->ReLU->200->ReLU == features(x); a linear layer
-    (-> classes) == head(h)."""
+    images, flattened): D->hidden->ReLU->feature_dim->ReLU == features(x), 200 and
+    200 by default; a linear layer (-> classes) == head(h)."""
 
     NATIVE_DIM = 200
     HIDDEN = 200
 
-    def __init__(self, in_shape, num_classes, feature_dim=None):
+    def __init__(self, in_shape, num_classes, feature_dim=None, hidden=None):
         super().__init__()
         self.arch = "mlp"
         self.in_shape = tuple(int(v) for v in in_shape)
@@ -135,8 +135,11 @@ class MLP(ProtoNet):
         self.feature_dim = int(feature_dim or self.NATIVE_DIM)
         self.num_classes = int(num_classes)
         d = flat_dim(self.in_shape)
-        self.encoder = nn.Sequential(nn.Linear(d, self.HIDDEN), nn.ReLU(inplace=True),
-                                     nn.Linear(self.HIDDEN, self.feature_dim),
+        hidden = int(hidden or self.HIDDEN)
+        if hidden != self.HIDDEN:
+            self.arch = f"mlp:{hidden}"
+        self.encoder = nn.Sequential(nn.Linear(d, hidden), nn.ReLU(inplace=True),
+                                     nn.Linear(hidden, self.feature_dim),
                                      nn.ReLU(inplace=True))
         self.fc = nn.Linear(self.feature_dim, self.num_classes)
 

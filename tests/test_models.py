@@ -113,8 +113,22 @@ def test_cnn_out_channels_option():
                                                         num_classes=10)) < count_params(m22)
     with pytest.raises(ValueError, match="out-channels"):
         build_model("cnn:abc", in_shape=(1, 28, 28), num_classes=10)
-    with pytest.raises(ValueError, match="only cnn takes an option"):
+    with pytest.raises(ValueError, match=r"only cnn \(cnn:OUT_CHANNELS\) and mlp"):
         build_model("resnet8:3", in_shape=(1, 28, 28), num_classes=10)
+
+
+def test_mlp_hidden_option_is_michieli_ozays_synthetic_network():
+    # appendix S1: two dense layers of 128 and 256 units on 60 synthetic features
+    m = build_model("mlp:128", in_shape=(60,), num_classes=10, feature_dim=256)
+    first, second = m.encoder[0], m.encoder[2]
+    assert (first.in_features, first.out_features) == (60, 128)
+    assert (second.in_features, second.out_features) == (128, 256)
+    assert m.feature_dim == 256 and m.arch == "mlp:128"
+    assert m.features(torch.zeros(3, 60)).shape == (3, 256)
+    plain = build_model("mlp", in_shape=(60,), num_classes=10)
+    assert plain.encoder[0].out_features == 200 and plain.arch == "mlp"
+    with pytest.raises(ValueError, match="first hidden layer"):
+        build_model("mlp:wide", in_shape=(60,), num_classes=10)
 
 
 def test_errors_are_clear():
