@@ -104,9 +104,8 @@ def run_or_reuse(sections: dict[str, dict[str, Any]], name: str, *, out: Path,
     try:
         summary, note = run(sections, name, out=out, timeout=timeout).summary, ""
     except RuntimeError as err:
-        # `fedbus run` exits 1 when a client node leaves on the server's shutdown before
-        # the server process has exited (launch/run_cmd.py, supervise()): the run itself
-        # is complete when summary.json holds every round.
+        # A launcher that fails after the server wrote a summary of every round (say, a
+        # node that dies while shutting down) still leaves a complete run; the note says so.
         summary = complete_summary(run_dir, rounds)
         if summary is None:
             raise
