@@ -221,6 +221,32 @@ def test_pathological_exactly_c_classes(digits, c):
                        classes_per_client=11)
 
 
+def test_pathological_powerlaw_sizes(digits):
+    """FedProx's MNIST split (Michieli & Ozay S1.2): 2 classes a client, power-law sizes."""
+    parts = make_partition(digits, scheme="pathological-powerlaw", num_clients=40, seed=1,
+                           classes_per_client=2, powerlaw_sigma=2.0, min_samples=10)
+    check_disjoint(parts, len(digits))
+    sizes = np.array([len(p.train) + len(p.test) for p in parts])
+    assert sizes.sum() == len(digits) and sizes.min() >= 10
+    assert sizes.max() > 5 * np.median(sizes)                 # heavy tail
+    held = [np.unique(digits.y[np.concatenate([p.train, p.test])]) for p in parts]
+    assert all(len(c) == 2 for c in held)
+    # the same holders as pathological's (its draws come first), only the shares differ
+    equal = make_partition(digits, scheme="pathological", num_clients=40, seed=1)
+    assert [list(c) for c in held] == [
+        list(np.unique(digits.y[np.concatenate([p.train, p.test])])) for p in equal]
+    # seeded: the same call gives the same split
+    again = make_partition(digits, scheme="pathological-powerlaw", num_clients=40, seed=1)
+    assert all(np.array_equal(a.train, b.train) for a, b in zip(parts, again))
+    # sigma 0: every holder's weight is 1, i.e. pathological's near-equal shards
+    flat = make_partition(digits, scheme="pathological-powerlaw", num_clients=40, seed=1,
+                          powerlaw_sigma=0.0)
+    for k in range(10):
+        shard = [np.sum(digits.y[np.concatenate([p.train, p.test])] == k) for p in flat]
+        shard = [s for s in shard if s]
+        assert max(shard) - min(shard) <= 1
+
+
 # -------------------------------------------------------------------------- powerlaw / iid
 def test_powerlaw_sizes(digits):
     parts = make_partition(digits, scheme="powerlaw", num_clients=40, seed=0,

@@ -30,6 +30,11 @@ pathological (classes_per_client) -- FedAvg's "pathological non-IID"
 powerlaw (powerlaw_sigma, min_samples) -- unbalanced sizes, IID labels
     Client sizes proportional to LogNormal(0, sigma) draws (heavy-tailed; LEAF/FedLab's
     unbalanced split), each at least min(min_samples, N // num_clients); samples random.
+pathological-powerlaw (classes_per_client, powerlaw_sigma, min_samples)
+    As pathological, but a class's pool is shared in proportion to each holder's
+    LogNormal(0, sigma) weight: FedProx's MNIST (2 digits a device, power-law sizes), which
+    Michieli & Ozay use (S1.2). Each client gets at least
+    ceil(min_samples / classes_per_client) of each of its classes where the pool allows.
 iid
     A random permutation cut into num_clients near-equal parts.
 natural
@@ -68,12 +73,13 @@ import numpy as np
 
 from .datasets import Dataset
 
-SCHEMES = ("nway-kshot", "dirichlet", "pathological", "powerlaw", "iid", "natural", "domains",
-           "domains-dirichlet", "file:PATH")
+SCHEMES = ("nway-kshot", "dirichlet", "pathological", "pathological-powerlaw", "powerlaw", "iid",
+           "natural", "domains", "domains-dirichlet", "file:PATH")
 PARAMS: dict[str, dict[str, Any]] = {
     "nway-kshot": {"ways": 3, "ways_std": 2.0, "shots": 100, "shots_std": 10.0},
     "dirichlet": {"alpha": 0.5, "min_samples": 10},
     "pathological": {"classes_per_client": 2},
+    "pathological-powerlaw": {"classes_per_client": 2, "powerlaw_sigma": 2.0, "min_samples": 10},
     "powerlaw": {"powerlaw_sigma": 2.0, "min_samples": 10},
     "iid": {},
     "natural": {},
@@ -239,7 +245,13 @@ def _dirichlet(ds: Dataset, num_clients: int, rng: np.random.Generator, alpha: f
 
 # -------------------------------------------------------------------------- pathological
 def _pathological(ds: Dataset, num_clients: int, rng: np.random.Generator,
-                  classes_per_client: int) -> list[np.ndarray]:
+                  classes_per_client: int,
+                  sizes: tuple[float, int] | None = None) -> list[np.ndarray]:
+    """Each client holds classes_per_client classes, the least used first. A class's pool
+    goes to its holders in equal shards, or, with sizes = (sigma, min_samples), in shares
+    proportional to each client's LogNormal(0, sigma) weight (one weight per client, so a
+    client is large or small in all its classes), each share at least
+    ceil(min_samples / classes_per_client) where the pool allows."""
     by_class = _class_indices(ds.y, ds.num_classes)
     present = [c for c in range(ds.num_classes) if len(by_class[c])]
     c_per = int(classes_per_client)
@@ -256,6 +268,10 @@ def _pathological(ds: Dataset, num_clients: int, rng: np.random.Generator,
         for c in chosen:
             use[c] += 1
             holders[int(c)].append(i)
+    if sizes is not None:
+        sigma, min_samples = sizes
+        weights = rng.lognormal(0.0, float(sigma), num_clients)
+        min_share = max(int(min_samples), 1) / c_per
     parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
     for c, clients in holders.items():
         if not clients:
@@ -264,9 +280,26 @@ def _pathological(ds: Dataset, num_clients: int, rng: np.random.Generator,
             raise ValueError(f"pathological: class {c} of {ds.name} has {len(by_class[c])} "
                              f"samples for {len(clients)} clients; use fewer clients or "
                              f"fewer classes_per_client")
-        for i, shard in zip(clients, np.array_split(rng.permutation(by_class[c]), len(clients))):
+        pool = rng.permutation(by_class[c])
+        if sizes is None:
+            shards = np.array_split(pool, len(clients))
+        else:
+            shards = np.split(pool, np.cumsum(_shares(len(pool), weights[clients],
+                                                      math.ceil(min_share)))[:-1])
+        for i, shard in zip(clients, shards):
             parts[i].append(shard)
     return [np.concatenate(p) for p in parts]
+
+
+def _shares(n: int, w: np.ndarray, floor: int) -> np.ndarray:
+    """n items cut into len(w) counts: each at least min(floor, n // len(w)), the rest in
+    proportion to w (largest remainders first)."""
+    base = min(max(floor, 1), n // len(w))
+    free = n - base * len(w)
+    exact = w / w.sum() * free
+    extra = np.floor(exact).astype(np.int64)
+    extra[np.argsort(-(exact - extra), kind="stable")[: free - extra.sum()]] += 1
+    return base + extra
 
 
 # ------------------------------------------------------------------------------ powerlaw
@@ -381,6 +414,9 @@ def make_partition(ds: Dataset, *, scheme: str, num_clients: int, seed: int,
         pieces = _dirichlet(ds, num_clients, rng, **p)
     elif scheme == "pathological":
         pieces = _pathological(ds, num_clients, rng, **p)
+    elif scheme == "pathological-powerlaw":
+        pieces = _pathological(ds, num_clients, rng, p["classes_per_client"],
+                               sizes=(p["powerlaw_sigma"], p["min_samples"]))
     else:
         pieces = _powerlaw(ds, num_clients, rng, **p)
     return [_split_train_test(idx, test_fraction, rng) for idx in pieces]
