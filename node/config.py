@@ -34,6 +34,10 @@ SCHEMA: dict[str, dict[str, Opt]] = {
         "rounds": Opt(10, "rounds (sync) or aggregations (async)", min=1),
         "fraction": Opt(1.0, "fraction of live clients sampled per round", min=0.0, max=1.0),
         "min_clients": Opt(1, "sample at least this many clients per round", min=1),
+        "sampling": Opt("uniform", "how a round's clients are drawn: uniform, or size "
+                        "(probability proportional to the training-set size, without "
+                        "replacement: FedProx's and Michieli & Ozay's Alg. 1)",
+                        ("uniform", "size")),
         "min_updates": Opt(1, "a round closes at its deadline only with this many updates", min=1),
         "deadline_s": Opt(0.0, "round deadline in seconds; 0 waits for every sampled client",
                           min=0.0),
@@ -55,18 +59,20 @@ SCHEMA: dict[str, dict[str, Opt]] = {
         "dataset": Opt("digits", "digits, npz:PATH, mnist, fmnist, emnist, femnist, cifar10, "
                        "cifar100, synthetic, mnist1d, digit5-offline:PATH, digit5, office10"),
         "data_dir": Opt("", "download/cache folder for online datasets (default ~/.cache/fedbus)"),
-        "partition": Opt("nway-kshot", "nway-kshot, dirichlet, pathological, powerlaw, iid, "
-                         "natural, domains, domains-dirichlet or file:PATH.json"),
+        "partition": Opt("nway-kshot", "nway-kshot, dirichlet, pathological, "
+                         "pathological-powerlaw, powerlaw, iid, natural, domains, "
+                         "domains-dirichlet or file:PATH.json"),
         "test_fraction": Opt(0.25, "per-client test share", min=0.0, max=0.9),
         "ways": Opt(3, "nway-kshot: mean classes per client", min=1),
         "ways_std": Opt(2.0, "nway-kshot: stdev of classes per client", min=0.0),
         "shots": Opt(100, "nway-kshot: mean samples per class", min=1),
         "shots_std": Opt(10.0, "nway-kshot: stdev of samples per class", min=0.0),
         "alpha": Opt(0.5, "dirichlet and domains-dirichlet concentration", min=0.0),
-        "min_samples": Opt(10, "dirichlet, domains-dirichlet, powerlaw: fewest samples per "
-                           "client", min=0),
-        "classes_per_client": Opt(2, "pathological: classes per client", min=1),
-        "powerlaw_sigma": Opt(2.0, "powerlaw: lognormal sigma of client sizes", min=0.0),
+        "min_samples": Opt(10, "dirichlet, domains-dirichlet, powerlaw, "
+                           "pathological-powerlaw: fewest samples per client", min=0),
+        "classes_per_client": Opt(2, "pathological(-powerlaw): classes per client", min=1),
+        "powerlaw_sigma": Opt(2.0, "powerlaw, pathological-powerlaw: lognormal sigma of "
+                               "client sizes", min=0.0),
         "synthetic_alpha": Opt(0.5, "FedProx synthetic: model heterogeneity", min=0.0),
         "synthetic_beta": Opt(0.5, "FedProx synthetic: data heterogeneity", min=0.0),
         "image_size": Opt(0, "digit5, office10: image side in pixels (0 = 32)", min=0),

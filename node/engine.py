@@ -313,7 +313,13 @@ class Engine:
         k = min(k, len(candidates))
         if k == len(candidates):
             return list(candidates)
-        return sorted(int(c) for c in self.rng.choice(candidates, size=k, replace=False))
+        p = None
+        if self.fed.sampling == "size":
+            # Successive draws without replacement, each proportional to n_k: numpy's
+            # weighted choice, as FedProx's code samples (np.random.choice(..., p=p_k)).
+            n = np.array([self.train_sizes.get(c, 1) for c in candidates], dtype=np.float64)
+            p = n / n.sum()
+        return sorted(int(c) for c in self.rng.choice(candidates, size=k, replace=False, p=p))
 
     def _start_round(self, now: float) -> list[Out]:
         live = sorted(self.live)

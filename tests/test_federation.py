@@ -206,3 +206,33 @@ def test_evicting_clients_to_disk_does_not_change_the_results(tmp_path):
     assert np.array_equal(a["protos"], b["protos"]) and a["protos"].any()
     assert [r["per_client"] for r in metrics(resident)] == \
         [r["per_client"] for r in metrics(evicted)]
+
+
+def test_size_sampling_draws_clients_in_proportion_to_their_data():
+    """federation.sampling = "size" (FedProx's and Michieli & Ozay's Alg. 1 line 3): a
+    client with more training data is sampled more often; the draws are seeded."""
+    from fedbus.node.config import build_config
+    from fedbus.node.server import build_engine
+
+    def engine(sampling, seed=0):
+        cfg = build_config(merged(SMALL, federation={"clients": 20, "seed": seed,
+                                                     "sampling": sampling},
+                                  data={"partition": "powerlaw", "powerlaw_sigma": 1.5}))
+        return build_engine(cfg, "r")
+
+    eng = engine("size")
+    clients = list(range(20))
+    sizes = np.array([eng.train_sizes[c] for c in clients], dtype=float)
+    counts = {name: np.zeros(20) for name in ("size", "uniform")}
+    for name, e in (("size", eng), ("uniform", engine("uniform"))):
+        for _ in range(3000):
+            picked = e._sample(clients, 2)
+            assert len(set(picked)) == 2 and picked == sorted(picked)
+            counts[name][picked] += 1
+    big, small = np.argsort(sizes)[-3:], np.argsort(sizes)[:3]
+    assert counts["size"][big].sum() > 3 * counts["size"][small].sum()
+    assert np.corrcoef(sizes, counts["size"])[0, 1] > 0.8
+    assert abs(np.corrcoef(sizes, counts["uniform"])[0, 1]) < 0.5
+    assert counts["uniform"].min() > 0.5 * counts["uniform"].mean()
+    a, b = engine("size", seed=3), engine("size", seed=3)
+    assert [a._sample(clients, 5) for _ in range(20)] == [b._sample(clients, 5) for _ in range(20)]
