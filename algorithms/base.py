@@ -81,7 +81,7 @@ class Failure:
     """A sampled client that contributed nothing to this aggregation."""
 
     client: int
-    reason: str  # late | dead | dropped | rejected | error
+    reason: str  # late | dead | dropped | rejected | error | partial (a handler's choice)
 
 
 @dataclass

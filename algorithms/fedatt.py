@@ -34,7 +34,8 @@ fedbus specifics (the paper has only fresh, synchronous updates):
   replays. Integer buffers (num_batches_tracked) take the step rounded, no noise.
 
 PARAMS: epsilon (server step size, default 1.0 as the reference code's --epsilon),
-dp (noise std beta, default 0.0). Clients are FedAvg's (cross-entropy SGD from the
+dp (noise std beta, default 0.0), partial (tolerate, default, or drop: as FedAvg's,
+fedbus.algorithms.fedavg). Clients are FedAvg's (cross-entropy SGD from the
 global weights; evaluation of the global model). Metrics: agg_extra.attention =
 {client: alpha_k^l averaged over the layers} (they sum to 1), agg.attn_max/attn_min.
 """
@@ -47,7 +48,7 @@ import numpy as np
 
 from fedbus.algorithms import Algorithm
 from fedbus.algorithms.base import ClientUpdate, Failure, RoundInfo
-from fedbus.algorithms.fedavg import FedAvgClient, FedAvgServer
+from fedbus.algorithms.fedavg import PARTIAL, FedAvgClient, FedAvgServer
 from fedbus.algorithms.local import opt, staleness_metrics
 from fedbus.algorithms.weights import apply_delta
 
@@ -75,10 +76,12 @@ class FedAttServer(FedAvgServer):
                        "average of the client models)", min=0.0),
         "dp": opt(0.0, "std beta of Gaussian noise added to the new global weights "
                   "(the paper's randomised variant; 0 = off)", min=0.0),
+        "partial": PARTIAL,
     }
 
     def aggregate(self, updates: list[ClientUpdate], failures: list[Failure],
                   info: RoundInfo) -> dict[str, Any]:
+        updates, failures = self.tolerated(updates, failures)
         metrics: dict[str, Any] = staleness_metrics(updates, failures)
         if not updates:
             return metrics

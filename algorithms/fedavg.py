@@ -26,6 +26,12 @@ statistics are averaged like weights; integer counters are averaged and
 rounded). Every client must run the same architecture (`needs_same_model`).
 `FedAvgServer`/`FedAvgClient` are the base classes of FedProx and FedAvg-proto:
 the averaging rule is written once, here and in fedbus.algorithms.weights.
+
+PARAMS: partial = "tolerate" (default) aggregates a partial update (a client that
+ran fewer epochs than asked: system.partial_work, a deadline) like any other, as
+fedbus treats partial work everywhere; "drop" counts it as a failure (reason
+"partial"), the FedAvg that Michieli & Ozay (Table 3, row "FedAvg" against "FedAvg +
+toleration") and FedProx's paper (Sec. 5.2, "drop the stragglers") compare against.
 """
 from __future__ import annotations
 
@@ -39,12 +45,25 @@ import torch
 from fedbus.algorithms import Algorithm
 from fedbus.algorithms.base import (ClientUpdate, Failure, LocalRun, RoundInfo, ServerHandler,
                                     head_metrics, load_weights, model_weights, weight_delta)
-from fedbus.algorithms.local import LocalClient, Params, staleness_metrics
+from fedbus.algorithms.local import LocalClient, Params, opt, staleness_metrics
 from fedbus.algorithms.weights import average_deltas, fedavg_coefs, weights_spec
 
 
+PARTIAL = opt("tolerate", "a partial update (fewer epochs than asked): tolerate = aggregate "
+              "it; drop = count it as a failure (Michieli & Ozay's plain FedAvg, Table 3)",
+              ("tolerate", "drop"))
+
+
+def drop_partial(updates: list[ClientUpdate],
+                 failures: list[Failure]) -> tuple[list[ClientUpdate], list[Failure]]:
+    """The complete updates, and the failures with every partial one added."""
+    kept = [u for u in updates if u.work.fraction >= 1.0]
+    dropped = [Failure(u.client, "partial") for u in updates if u.work.fraction < 1.0]
+    return kept, [*failures, *dropped]
+
+
 class FedAvgServer(Params, ServerHandler):
-    PARAMS: ClassVar[dict[str, Any]] = {}
+    PARAMS: ClassVar[dict[str, Any]] = {"partial": PARTIAL}
     needs_same_model: ClassVar[bool] = True
 
     def __init__(self, ctx):
@@ -68,8 +87,18 @@ class FedAvgServer(Params, ServerHandler):
         """c_k = staleness weight x training-set size."""
         return fedavg_coefs(updates)
 
+    def tolerated(self, updates: list[ClientUpdate],
+                  failures: list[Failure]) -> tuple[list[ClientUpdate], list[Failure]]:
+        """The updates this aggregation uses: all, unless the handler declares the
+        `partial` option and it says drop. Subclasses with their own PARAMS (FedProx,
+        attention) tolerate partial work by design."""
+        if "partial" in self.PARAMS and self.param("partial") == "drop":
+            return drop_partial(updates, failures)
+        return updates, failures
+
     def aggregate(self, updates: list[ClientUpdate], failures: list[Failure],
                   info: RoundInfo) -> dict[str, float]:
+        updates, failures = self.tolerated(updates, failures)
         metrics = staleness_metrics(updates, failures)
         if updates:
             self.weights = average_deltas(self.weights, [u.payload["delta"] for u in updates],

@@ -70,6 +70,32 @@ def test_fedavg_staleness_weights_by_hand():
     np.testing.assert_allclose(server.weights["bias"], [1.5], atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["fedavg", "fedatt"])
+def test_partial_drop_counts_partial_updates_as_failures(name):
+    """partial = "drop": Michieli & Ozay's FedAvg without toleration (Table 3)."""
+    from fedbus.algorithms.base import Work
+    from fedbus.node.config import ConfigError, build_config
+
+    full = {"weight": np.array([[1.0, 0.0]], np.float32), "bias": np.array([1.0], np.float32)}
+    half = {"weight": np.array([[0.0, 4.0]], np.float32), "bias": np.array([-1.0], np.float32)}
+    done = update(0, {"delta": full}, n=1, work=Work(2, 2.0, 2, 1))
+    part = update(1, {"delta": half}, n=3, work=Work(2, 0.5, 1, 3))
+    dropping = get_algorithm(name).server(server_ctx({"partial": "drop"}, make=linear_model))
+    m = dropping.aggregate([done, part], [Failure(2, "late")], RoundInfo(0, 3))
+    assert m["updates"] == 1 and m["failures"] == 2
+    # one update left: w + delta for both rules (FedAtt's softmax over one client is 1)
+    np.testing.assert_allclose(dropping.weights["weight"], [[2.0, 2.0]], atol=1e-6)
+    np.testing.assert_allclose(dropping.weights["bias"], [1.5], atol=1e-6)
+    tolerating = get_algorithm(name).server(server_ctx({}, make=linear_model))
+    m = tolerating.aggregate([done, part], [], RoundInfo(0, 3))
+    assert m["updates"] == 2 and m["failures"] == 0
+    assert not np.allclose(tolerating.weights["weight"], [[2.0, 2.0]])
+    with pytest.raises(ConfigError, match="partial"):
+        build_config({"algorithm": {"name": name, "partial": "skip"}})
+    with pytest.raises(ConfigError, match="partial"):   # FedProx tolerates by design
+        build_config({"algorithm": {"name": "fedprox", "partial": "drop"}})
+
+
 @pytest.mark.parametrize("name", ["local", "fedavg", "fedprox"])
 def test_empty_aggregation_keeps_state(name):
     server = get_algorithm(name).server(server_ctx({}))
