@@ -106,9 +106,10 @@ def test_runs_are_named_by_their_settings_so_recipes_share_them():
         row = next(r for r in recipe.rows if r.label == label)
         return rp.run_name(rp.sections(recipe, row, seed, data=MNIST_NPZ, **kw))
 
-    assert name(mnist, "FedAvg, δ = 0%") == name(partial, "FedAvg + toleration, δ = 0%")
-    assert name(mnist, "Attention, δ = 100%") == name(partial, "Attention, δ = 100%")
-    assert name(mnist, "Attention, δ = 0%") != name(mnist, "Attention, δ = 100%")
+    assert name(mnist, "FedAvg, δ = 80%") == name(partial, "FedAvg, δ = 80%")
+    assert name(mnist, "Attention, δ = 50%") == name(partial, "Attention, δ = 50%")
+    assert name(mnist, "Attention, δ = 0%") != name(mnist, "Attention, δ = 80%")
+    assert name(mnist, "FedAvg, δ = 50%") != name(partial, "FedAvg + toleration, δ = 50%")
     assert name(partial, "Attention, δ = 0%") != name(partial, "Attention (APM only), δ = 0%")
     assert name(mnist, "FedAvg, δ = 0%", 1).endswith("-s1")
     assert name(mnist, "FedAvg, δ = 0%", rounds=5) != name(mnist, "FedAvg, δ = 0%")
@@ -132,8 +133,9 @@ def test_set_and_only_reach_the_plan():
     args = _args("michieli-synthetic", "--set", "train.epochs=3", "--rounds", "7",
                  "--only", "Attention, mean over δ", "--seeds", "2")
     runs = rp.plan(recipe, args, MNIST_NPZ)
-    assert sorted({r.label for r, _, _ in runs}) == ["Attention, δ = 0%", "Attention, δ = 100%"]
-    assert len(runs) == 4
+    assert sorted({r.label for r, _, _ in runs}) == [
+        "Attention, δ = 0%", "Attention, δ = 50%", "Attention, δ = 80%"]
+    assert len(runs) == 6
     assert all(c["train"]["epochs"] == 3 and c["federation"]["rounds"] == 7 for _, _, c in runs)
 
 
@@ -171,7 +173,8 @@ def test_report_derives_means_per_seed_and_prints_paper_beside_ours():
     for seed, base in enumerate((70.0, 72.0)):
         for i, label in enumerate(["FedAvg", "FedProx", "FedAtt", "Attention"]):
             per_run[(f"{label}, δ = 0%", seed)] = base + 2 * i
-            per_run[(f"{label}, {rp.D100}", seed)] = base + 2 * i - 4
+            per_run[(f"{label}, δ = 50%", seed)] = base + 2 * i - 1
+            per_run[(f"{label}, δ = 80%", seed)] = base + 2 * i - 5
     values = rp.row_values(recipe, per_run, [0, 1])
     assert values["Attention, mean over δ"] == [74.0, 76.0]
     lines, doc = rp.report(recipe, values, seeds=[0, 1])
