@@ -63,6 +63,10 @@ SCHEMA: dict[str, dict[str, Opt]] = {
                          "pathological-powerlaw, powerlaw, iid, natural, domains, "
                          "domains-dirichlet or file:PATH.json"),
         "test_fraction": Opt(0.25, "per-client test share", min=0.0, max=0.9),
+        "test_distribution": Opt("local", "each client's test split: local = from its own "
+                                 "share (skewed like its training data); global = every "
+                                 "client's test samples pooled and dealt back at random",
+                                 ("local", "global")),
         "ways": Opt(3, "nway-kshot: mean classes per client", min=1),
         "ways_std": Opt(2.0, "nway-kshot: stdev of classes per client", min=0.0),
         "shots": Opt(100, "nway-kshot: mean samples per class", min=1),

@@ -247,6 +247,31 @@ def test_pathological_powerlaw_sizes(digits):
         assert max(shard) - min(shard) <= 1
 
 
+def test_global_test_distribution_pools_the_test_splits():
+    """data.test_distribution = "global": the same training splits, the test samples pooled
+    and dealt back; under label skew each client is then tested on (nearly) every class."""
+    cfg = {"dataset": "digits", "partition": "dirichlet", "alpha": 0.1, "test_fraction": 0.3}
+    local = FederatedData(cfg, 8, seed=4)
+    pooled = FederatedData({**cfg, "test_distribution": "global"}, 8, seed=4)
+    check_disjoint(pooled.parts, len(pooled.dataset))
+    for a, b in zip(local.parts, pooled.parts):
+        np.testing.assert_array_equal(a.train, b.train)          # training is untouched
+        assert len(a.test) == len(b.test)                        # so is every test size
+    assert sorted(np.concatenate([p.test for p in local.parts]).tolist()) == sorted(
+        np.concatenate([p.test for p in pooled.parts]).tolist())
+    y = local.dataset.y
+    own = [len(np.unique(y[p.test])) for p in local.parts]
+    dealt = [len(np.unique(y[p.test])) for p in pooled.parts]
+    assert np.mean(dealt) > np.mean(own) + 2, (own, dealt)
+    # a client's test classes no longer follow its training classes
+    outside = [np.mean(~np.isin(y[p.test], y[p.train])) for p in pooled.parts]
+    assert np.mean(outside) > 0.3
+    again = FederatedData({**cfg, "test_distribution": "global"}, 8, seed=4)
+    assert all(np.array_equal(a.test, b.test) for a, b in zip(pooled.parts, again.parts))
+    with pytest.raises(ValueError, match="test_distribution"):
+        FederatedData({**cfg, "test_distribution": "mine"}, 8, seed=4)
+
+
 # -------------------------------------------------------------------------- powerlaw / iid
 def test_powerlaw_sizes(digits):
     parts = make_partition(digits, scheme="powerlaw", num_clients=40, seed=0,

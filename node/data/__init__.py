@@ -25,6 +25,7 @@ from .partition import (
     PartitionError,
     load_partition,
     make_partition,
+    pool_test_splits,
     save_partition,
 )
 
@@ -32,5 +33,5 @@ __all__ = [
     "DATASETS", "DATA_DEFAULTS", "SCHEMES", "ClientData", "ClientSplit", "Dataset",
     "DatasetUnavailable", "FederatedData", "PartitionError", "clear_cache", "data_config",
     "dataset_from_config", "load_dataset", "load_partition", "make_partition",
-    "partition_from_config", "save_partition",
+    "partition_from_config", "pool_test_splits", "save_partition",
 ]

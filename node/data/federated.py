@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from .datasets import Dataset, load_dataset
-from .partition import PARAMS, ClientSplit, make_partition
+from .partition import PARAMS, ClientSplit, make_partition, pool_test_splits
 
 #: the [data] table: every key and its default
 DATA_DEFAULTS: dict[str, Any] = {
@@ -25,6 +25,7 @@ DATA_DEFAULTS: dict[str, Any] = {
     "data_dir": "",
     "partition": "nway-kshot",
     "test_fraction": 0.25,
+    "test_distribution": "local",
     "ways": 3,
     "ways_std": 2.0,
     "shots": 100,
@@ -87,9 +88,15 @@ def partition_from_config(ds: Dataset, cfg: Mapping[str, Any], num_clients: int,
     """make_partition() for a filled-in [data] table."""
     scheme = str(cfg["partition"]).strip()
     keys = PARAMS.get("file" if scheme.startswith("file:") else scheme, {})
-    return make_partition(ds, scheme=scheme, num_clients=int(num_clients), seed=int(seed),
-                          test_fraction=float(cfg["test_fraction"]),
-                          **{k: cfg[k] for k in keys})
+    parts = make_partition(ds, scheme=scheme, num_clients=int(num_clients), seed=int(seed),
+                           test_fraction=float(cfg["test_fraction"]),
+                           **{k: cfg[k] for k in keys})
+    where = str(cfg.get("test_distribution", "local"))
+    if where == "global":
+        return pool_test_splits(parts, int(seed))
+    if where != "local":
+        raise ValueError(f"data.test_distribution must be local or global, got {where!r}")
+    return parts
 
 
 _CACHE: dict[tuple, tuple[Dataset, list[ClientSplit]]] = {}

@@ -56,6 +56,9 @@ file:PATH.json
 
 Except for nway-kshot and file:, each client's samples are shuffled and cut into train and
 test: ceil(test_fraction * n) test samples (at most n - 1), as PFLlib/HtFLlib's 75/25 split.
+pool_test_splits then optionally deals the pooled test samples back at random
+(data.test_distribution = "global": every client tested on the federation's overall
+distribution instead of its own skew).
 """
 from __future__ import annotations
 
@@ -420,6 +423,28 @@ def make_partition(ds: Dataset, *, scheme: str, num_clients: int, seed: int,
     else:
         pieces = _powerlaw(ds, num_clients, rng, **p)
     return [_split_train_test(idx, test_fraction, rng) for idx in pieces]
+
+
+# ------------------------------------------------------------------------ test splits
+TEST_DISTRIBUTIONS = ("local", "global")
+
+
+def pool_test_splits(parts: Sequence[ClientSplit], seed: int) -> list[ClientSplit]:
+    """data.test_distribution = "global": every client's test samples pooled, shuffled and
+    dealt back, each client keeping its test-set size and its training set.
+
+    With "local" (the partitioners' own splits) a client's test set is skewed like its
+    training data, so a model that knows only its own classes can score high. Pooled, the
+    test sets follow the federation's overall distribution (under label skew, close to the
+    dataset's class mix), the reading of the tests in Qiao et al.'s papers where Local and
+    FedProto fall far below FedAvg. The draw has its own seed stream, so the training
+    splits, and so training itself, are those of "local" with the same seed."""
+    rng = np.random.default_rng(np.random.SeedSequence([int(seed), 0x7E57]))
+    sizes = [len(p.test) for p in parts]
+    pooled = rng.permutation(np.concatenate([p.test for p in parts]).astype(np.int64))
+    shards = np.split(pooled, np.cumsum(sizes)[:-1]) if parts else []
+    return [ClientSplit(p.train, np.sort(t), dict(p.meta, test_distribution="global"))
+            for p, t in zip(parts, shards)]
 
 
 # ---------------------------------------------------------------------------------- files
