@@ -48,12 +48,11 @@ def test_fedproto_defaults_follow_the_paper():
     from fedbus.algorithms.local import default_of
     defaults = {k: default_of(v) for k, v in FedProtoServer.PARAMS.items()}
     assert defaults == {"lam": 1.0,  # the paper's best lambda on MNIST and FEMNIST
-                        "proto_loss": "paper",  # eqs. 7-8, Algorithm 1 lines 3-4
+                        "proto_loss": "mse",  # App. B eq. 1 (eq. 8 leaves d open), the code
                         "aggregate": "weighted",  # eq. 6
                         "keep_missing": True,  # = the code's set replacement at full participation
                         "infer_classes": "all",  # eq. 4
                         "proto_source": "after"}  # eq. 3
-    # FedTGP shares these two declarations and keeps its reference code's MSE default
     assert default_of(PROTO_LOSS) == "mse" and default_of(INFER_CLASSES) == "all"
 
 
@@ -175,10 +174,10 @@ def test_fedproto_mse_regulariser_by_hand():
     assert loss == pytest.approx(ce + 2.0 * sq / (len(y) * D), rel=1e-5)
 
 
-def test_fedproto_paper_regulariser_by_hand():
+def test_fedproto_eq8_regulariser_by_hand():
     part = digits_parts(4)[0]
     h = get_algorithm("fedproto").client(client_ctx(0, part, {"lam": 0.5,
-                                                              "proto_loss": "paper"}))
+                                                              "proto_loss": "eq8"}))
     g = np.random.default_rng(1).normal(size=(C, D)).astype(np.float32)
     has = np.arange(C) < 7
     h._global, h._has = h.global_protos(task_with(g, has))
@@ -228,15 +227,16 @@ def np_cross_entropy(logits, y):
 def test_fedproto_eq7_eq8_paper_loss_and_gradient_on_tiny_inputs():
     # eq. 7: CE + lam * L_R; eq. 8 with the L2 distance and Algorithm 1's batch
     # prototypes: L_R = sum over the batch's classes k with a global prototype of
-    # || mean_{y=k} f(x) - C-bar_k ||_2. The default proto_loss.
+    # || mean_{y=k} f(x) - C-bar_k ||_2 (proto_loss = "eq8").
     W, b = [[1.0, -1.0], [0.5, 2.0], [-1.0, 0.0]], [0.1, 0.0, -0.2]
     x = np.array([[1, 2], [3, 0], [0, 1], [2, 2], [5, 5]], dtype=np.float64)
     y = np.array([0, 0, 1, 1, 2])
     g = np.array([[0, 0], [1, 1], [9, 9]], dtype=np.float64)
     has = np.array([True, True, False])  # class 2 has no global prototype: no term
     lam = 0.5
-    h = get_algorithm("fedproto").client(tiny_ctx(Tiny(W, b), x, y, {"lam": lam}))
-    assert h.proto_loss == "paper"
+    h = get_algorithm("fedproto").client(tiny_ctx(Tiny(W, b), x, y,
+                                                  {"lam": lam, "proto_loss": "eq8"}))
+    assert h.proto_loss == "eq8"
     h._global, h._has = h.global_protos(task_with(g, has))
     h._reg = True
     xt = torch.tensor(x, dtype=torch.float32, requires_grad=True)
@@ -366,8 +366,10 @@ def test_fedproto_proto_acc_nan_without_prototypes():
 
 # --- short federations -----------------------------------------------------------------------
 
-# the paper's defaults, and the reference code's choices (but all-class inference)
-@pytest.mark.parametrize("params", [{}, {"aggregate": "mean", "proto_loss": "mse",
+# the defaults, eq. 8 read literally, and the reference code's choices (but all-class
+# inference)
+@pytest.mark.parametrize("params", [{}, {"proto_loss": "eq8"},
+                                    {"aggregate": "mean", "proto_loss": "mse",
                                          "proto_source": "during", "keep_missing": False}])
 def test_fedproto_short_federation_learns(params):
     _, _, history = simulate("fedproto", params, rounds=4, clients=4, epochs=3, ways=5)

@@ -271,3 +271,33 @@ def test_a_failed_run_leaves_its_rows_empty_and_the_others_go_on(monkeypatch, tm
     assert failed[0].startswith("fedavg-")
     assert per_run[("FedAvg", 0)] is None
     assert per_run[("Local", 0)] == 50.0 and per_run[("FedProto", 0)] == 75.0
+
+
+def test_a_run_whose_defaults_changed_is_stale_not_reused(tmp_path):
+    """A run name hashes only the sections a recipe sets; the saved config.json (every key,
+    defaults filled in) tells whether the run still is what those sections build today."""
+    from fedbus.bench.common import run_or_reuse, stale
+
+    recipe = rp.RECIPES["tan-table1"]
+    row = next(r for r in recipe.rows if r.label == "FedProto")
+    cfg = rp.sections(recipe, row, 0, data=MNIST_NPZ)
+    run = tmp_path / rp.run_name(cfg)
+    run.mkdir()
+    saved = build_config(cfg).to_dict()
+    (run / "config.json").write_text(json.dumps(saved))
+    assert stale(run, cfg) == ""
+    # an option added since (absent from the old run) defaults to the old behaviour
+    del saved["algorithm"]["infer_classes"]
+    (run / "config.json").write_text(json.dumps(saved))
+    assert stale(run, cfg) == ""
+    # a default that changed since: the old run computed something else
+    saved["algorithm"]["proto_loss"] = "eq8"
+    (run / "config.json").write_text(json.dumps(saved))
+    assert stale(run, cfg) == "[algorithm] proto_loss: 'eq8' then, 'mse' now"
+    # a complete summary does not make a stale run reusable: it is moved aside and rerun
+    # (here the rerun fails fast: the dataset path does not exist)
+    (run / "summary.json").write_text(json.dumps({"rounds_completed": 30}))
+    bad = {**cfg, "data": {**cfg["data"], "dataset": "npz:/nonexistent.npz"}}
+    with pytest.raises(RuntimeError, match="exited"):
+        run_or_reuse(bad, run.name, out=tmp_path, timeout=60)
+    assert (tmp_path / (run.name + ".stale") / "summary.json").exists()
