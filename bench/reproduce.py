@@ -139,9 +139,9 @@ TAN = Recipe(
             set={"federation": {"rounds": 30}},
             # Table 1, MNIST, FedProto, stdev 2, n = 3: 97.13±0.30
             paper=(P(97.13, 0.30, "Table 1, MNIST, FedProto, stdev 2, n = 3"),)),
-        # The reference code's regulariser (per-sample MSE) and plain mean: the published
-        # numbers came from that code (docs/FIDELITY.md, fedproto); not a row of the paper.
-        Row("FedProto (code's loss)", "fedproto",
+        # The reference code's plain mean of the clients' prototypes instead of eq. 6's
+        # count-weighted one (docs/FIDELITY.md, fedproto); not a row of the paper.
+        Row("FedProto (code's mean)", "fedproto",
             params={"lam": 1.0, "proto_loss": "mse", "aggregate": "mean"},
             metric="proto_acc_mean", set={"federation": {"rounds": 30}}, paper=(None,)),
     ),
