@@ -307,8 +307,8 @@ def test_federated_data_clients():
     with pytest.raises(ValueError, match="unknown \\[data\\] key 'shot'"):
         FederatedData({"shot": 3}, num_clients=2, seed=0)
     assert set(DATA_DEFAULTS) == {
-        "dataset", "data_dir", "partition", "test_fraction", "ways", "ways_std", "shots",
-        "shots_std", "alpha", "min_samples", "classes_per_client", "powerlaw_sigma",
+        "dataset", "data_dir", "partition", "test_fraction", "test_distribution", "ways",
+        "ways_std", "shots", "shots_std", "alpha", "min_samples", "classes_per_client", "powerlaw_sigma",
         "synthetic_alpha", "synthetic_beta", "image_size", "domain_samples"}
 
 
