@@ -458,7 +458,7 @@ _MICHIELI_COMMON = (
     ("accuracy of the aggregate model pooled over every client's test split "
      "(acc_weighted), as the paper's Sec. 4"),
 )
-_MICHIELI_NOTES = (
+_PARTIAL_NOTES = (  # δ and how each method treats partial work: both MNIST tables
     ("δ, the share of clients doing partial work (F' ~ U[0, F]): each task is partial with "
      "probability δ (system.partial_fraction), so about δ of each round's clients are; "
      "Table 2 = the mean over δ = 0, 50 and 80% (Table 3's Avg column)"),
@@ -466,6 +466,9 @@ _MICHIELI_NOTES = (
      "Table 2 FedAvg = Table 3's 'FedAvg' row, not its 'FedAvg + toleration'; the paper "
      "does not say how its FedAtt treats them (its std, 3.7 on MNIST, is FedAvg's 3.8); "
      "FedProx and attention tolerate them by design"),
+)
+_MICHIELI_NOTES = (
+    *_PARTIAL_NOTES,
     ("FedAtt: fedbus's fedatt (Ji et al., layer-wise attention, epsilon 1: the reference "
      "code's; the paper gives no setting)"),
     *_MICHIELI_COMMON,
@@ -589,7 +592,7 @@ MICHIELI_PARTIAL = Recipe(
            *(f"Attention, {_d(d)} > FedAvg + toleration, {_d(d)} > FedAvg, {_d(d)}"
              for d in DELTAS[1:]),
            f"Attention, {_d(0)} > FedAvg, {_d(0)}"),
-    scale_changes=(*_MNIST_SCALE, *_MICHIELI_NOTES[:2], *_MICHIELI_COMMON),
+    scale_changes=(*_MNIST_SCALE, *_PARTIAL_NOTES, *_MICHIELI_COMMON),
     notes=(("FedAvg and Attention share their runs with michieli-mnist when both are given "
             "the same --out; 'FedAvg + toleration, δ = 0%' is FedAvg's δ = 0% run (nothing "
             "is partial to tolerate)."),),
