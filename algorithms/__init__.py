@@ -35,6 +35,14 @@ BUILTIN: dict[str, str] = {
     "mpfedcl": "fedbus.algorithms.mpfedcl",
     "proto-attention": "fedbus.algorithms.proto_attention",
     "fedtgp": "fedbus.algorithms.fedtgp",
+    "fd": "fedbus.algorithms.fd",
+    "lg-fedavg": "fedbus.algorithms.lg_fedavg",
+    "fml": "fedbus.algorithms.fml",
+    "fedkd": "fedbus.algorithms.fedkd",
+    "fedgh": "fedbus.algorithms.fedgh",
+    "fedgen": "fedbus.algorithms.fedgen",
+    "fedper": "fedbus.algorithms.fedper",
+    "fedrep": "fedbus.algorithms.fedrep",
     "noop": "fedbus.algorithms.noop",
 }
 

@@ -100,6 +100,12 @@ class ServerContext:
     # baseline (one model trained on all the data, the reference of Michieli & Ozay's
     # FFD) is its only user. None where the server was built without data (unit tests).
     pooled_train: Callable[[], tuple[np.ndarray, np.ndarray]] | None = None
+    # The federation's distinct architectures in client order ("cnn", "cnn4", ...), and a
+    # builder of any registry arch for this federation's input shape, classes and common
+    # feature dim, seeded with the federation seed: the auxiliary ("shared", "student")
+    # model of FML and FedKD. Empty/None where the server was built without a config.
+    archs: tuple[str, ...] = ()
+    build_arch: Callable[[str], torch.nn.Module] | None = None
 
 
 class ServerHandler:
@@ -163,6 +169,9 @@ class ClientContext:
     train: Mapping[str, Any]  # [train]
     seed: int
     extra: dict[str, Any] = field(default_factory=dict)
+    # As ServerContext.archs / build_arch (the builder's model is on the CPU).
+    archs: tuple[str, ...] = ()
+    build_arch: Callable[[str], torch.nn.Module] | None = None
 
     def make_optimizer(self, params=None) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.model.parameters() if params is None else params,

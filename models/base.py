@@ -22,11 +22,16 @@ class ProtoNet(nn.Module):
         feature_dim: width of ``features(x)`` (the prototype dimension)
         num_classes: width of ``head(h)``
 
+    head_module: the attribute name of the sub-module ``head`` applies (``"fc"`` unless set)
+
     Subclasses implement ``features`` and ``head``. The sub-module names
     ``features`` and ``head`` are reserved for these methods.
     """
 
     arch: str = ""
+    # The attribute holding the head's layers: weight names under "<head_module>." are
+    # the head's (LG-FedAvg averages them, FedPer/FedRep keep them local, FedGH replaces them).
+    head_module: str = "fc"
     feature_dim: int = 0
     num_classes: int = 0
     in_shape: tuple[int, ...] = ()

@@ -32,6 +32,7 @@ class FedProtoCNN(ProtoNet):
     """
 
     NATIVE_DIM = 50
+    head_module = "fc2"
 
     def __init__(self, in_shape, num_classes, feature_dim=None, out_channels=20):
         super().__init__()
@@ -98,6 +99,7 @@ class FedCLMLP(ProtoNet):
     features(x); head 512->256->ReLU->classes. Any input shape is flattened."""
 
     NATIVE_DIM = 512
+    head_module = "classifier"
 
     def __init__(self, in_shape, num_classes, feature_dim=None):
         super().__init__()

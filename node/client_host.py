@@ -29,7 +29,7 @@ from fedbus.node.engine import SERVER, client_address, client_index
 from fedbus.node.msglog import MessageLogWriter
 from fedbus.node.privacy import protect
 from fedbus.node.validate import non_finite
-from fedbus.node.setup import federated_data, make_model
+from fedbus.node.setup import arch_builder, distinct_archs, federated_data, make_model
 
 log = get_logger("fedbus.node")
 
@@ -85,7 +85,8 @@ class ClientPool:
                             test_y=tensor(part.test_y, torch.int64),
                             num_classes=self.data.num_classes, feature_dim=model.feature_dim,
                             params=dict(cfg.algorithm), train=dict(cfg.train),
-                            seed=cfg.federation.seed, extra={"privacy": dict(cfg.privacy)})
+                            seed=cfg.federation.seed, extra={"privacy": dict(cfg.privacy)},
+                            archs=distinct_archs(cfg), build_arch=arch_builder(cfg, self.data))
         return self.algo.client(ctx)
 
     def _stash(self, client: int, state: dict[str, Any]) -> Any:

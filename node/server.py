@@ -26,7 +26,8 @@ from fedbus.node.config import Config
 from fedbus.node.engine import SERVER, Engine, Out, client_index, count_params
 from fedbus.node.msglog import MessageLogWriter
 from fedbus.node.rundir import RunDir, atomic_write, summarise
-from fedbus.node.setup import check_models, federated_data, make_model, pooled_train
+from fedbus.node.setup import (arch_builder, check_models, distinct_archs, federated_data,
+                              make_model, pooled_train)
 from fedbus.node.validate import Rejected, check_update
 
 log = get_logger("fedbus.server")
@@ -43,7 +44,8 @@ def build_handler(cfg: Config) -> ServerHandler:
                         clients=cfg.federation.clients, rounds=cfg.federation.rounds,
                         seed=cfg.federation.seed, homogeneous=len(archs) == 1,
                         make_model=lambda i: make_model(cfg, i, data),
-                        pooled_train=lambda: pooled_train(data))
+                        pooled_train=lambda: pooled_train(data),
+                        archs=distinct_archs(cfg), build_arch=arch_builder(cfg, data))
     return algo.server(ctx)
 
 

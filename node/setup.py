@@ -27,6 +27,23 @@ def make_model(cfg: Config, client: int, data: FederatedData | None = None):
                        pretrained=cfg.model.pretrained, seed=cfg.federation.seed)
 
 
+def arch_builder(cfg: Config, data: FederatedData | None = None):
+    """build(arch) -> a network of any registry arch for this federation's data and
+    common feature dim, seeded with federation.seed: FML's and FedKD's shared model."""
+    data = data or federated_data(cfg)
+
+    def build(arch: str):
+        return build_model(arch, in_shape=tuple(data.in_shape), num_classes=data.num_classes,
+                           feature_dim=feature_dim_for(cfg.model), seed=cfg.federation.seed)
+    return build
+
+
+def distinct_archs(cfg: Config) -> tuple[str, ...]:
+    """The federation's architectures, each once, in client order."""
+    n = min(cfg.federation.clients, len(cfg.model.group) or 1)
+    return tuple(dict.fromkeys(arch_for_client(cfg.model, i) for i in range(n)))
+
+
 def archs(cfg: Config) -> list[str]:
     return [arch_for_client(cfg.model, i) for i in range(cfg.federation.clients)]
 

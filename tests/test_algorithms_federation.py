@@ -20,8 +20,11 @@ import pytest
 from helpers import SMALL, merged, metrics, run_federation
 
 ALGORITHMS = ["local", "fedavg", "fedprox", "fedproto", "fedavg-proto", "mpfedcl",
-              "proto-attention", "fedtgp"]
-HETEROGENEOUS = {"local", "fedproto", "fedtgp"}  # no weight averaging: models may differ
+              "proto-attention", "fedtgp", "fd", "lg-fedavg", "fml", "fedkd", "fedgh",
+              "fedper", "fedrep"]
+# whole-model averaging excluded: these run (a) with a model group (LG-FedAvg and FedGH
+# share only the head, FML and FedKD only their auxiliary model)
+HETEROGENEOUS = {"local", "fedproto", "fedtgp", "fd", "lg-fedavg", "fml", "fedkd", "fedgh"}
 PROTO_METRIC = {"fedproto", "fedavg-proto", "mpfedcl", "proto-attention", "fedtgp"}
 # MP-FedCL's k-means runs after local training, outside the time budget, and a
 # simulated slow device takes slow_factor times longer for it too: at 100x, the
