@@ -114,6 +114,8 @@ class ServerHandler:
 
     PARAMS: ClassVar[dict[str, Any]] = {}
     needs_same_model: ClassVar[bool] = False  # weight averaging needs one architecture
+    # Sharing the head alone (LG-FedAvg, FedGH) needs one head shape across a model group.
+    needs_same_head: ClassVar[bool] = False
 
     def __init__(self, ctx: ServerContext):
         self.ctx = ctx

@@ -75,7 +75,8 @@ def check_inputs(cfg: Config) -> None:
     from fedbus.algorithms import get_algorithm
 
     try:
-        check_models(cfg, get_algorithm(cfg.algorithm.name).server.needs_same_model)
+        server = get_algorithm(cfg.algorithm.name).server
+        check_models(cfg, server.needs_same_model, server.needs_same_head)
     except ConfigError as err:  # names its key already
         raise PreflightError(str(err)) from None
     except _INPUT_ERRORS as err:

@@ -36,7 +36,7 @@ log = get_logger("fedbus.server")
 def build_handler(cfg: Config) -> ServerHandler:
     algo = get_algorithm(cfg.algorithm.name)
     data = federated_data(cfg)
-    feature_dim = check_models(cfg, algo.server.needs_same_model)
+    feature_dim = check_models(cfg, algo.server.needs_same_model, algo.server.needs_same_head)
     archs = {make_model(cfg, i, data).arch for i in range(min(cfg.federation.clients,
                                                               len(cfg.model.group) or 1))}
     ctx = ServerContext(params=dict(cfg.algorithm), train=dict(cfg.train),

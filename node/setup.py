@@ -48,9 +48,10 @@ def archs(cfg: Config) -> list[str]:
     return [arch_for_client(cfg.model, i) for i in range(cfg.federation.clients)]
 
 
-def check_models(cfg: Config, needs_same_model: bool) -> int:
+def check_models(cfg: Config, needs_same_model: bool, needs_same_head: bool = False) -> int:
     """The common feature dim of every client's network; a clear error when a
-    weight-averaging algorithm is asked to mix architectures."""
+    weight-averaging algorithm is asked to mix architectures, or a head-sharing one
+    (LG-FedAvg, FedGH) networks whose heads differ."""
     data = federated_data(cfg)
     names = sorted(set(archs(cfg)))
     if needs_same_model and len(names) > 1:
@@ -63,6 +64,20 @@ def check_models(cfg: Config, needs_same_model: bool) -> int:
     if len(set(dims.values())) > 1:
         raise ConfigError(f"model.group gives different feature dims {dims}; set "
                           "model.feature_dim so prototypes share one space")
+    if needs_same_head and len(names) > 1:
+        from fedbus.algorithms.split import head_names
+
+        heads = {}
+        for i in range(min(cfg.federation.clients, len(cfg.model.group) or 1)):
+            model = make_model(cfg, i, data)
+            state = model.state_dict()
+            heads[model.arch] = tuple((k.split(".", 1)[1], tuple(state[k].shape))
+                                      for k in head_names(model))
+        if len(set(heads.values())) > 1:
+            shapes = "; ".join(f"{a}: {', '.join(f'{k} {list(s)}' for k, s in h)}"
+                               for a, h in heads.items())
+            raise ConfigError(f"algorithm.name = {cfg.algorithm.name!r} shares the head, so "
+                              f"every network of model.group needs one head shape; got {shapes}")
     return next(iter(dims.values()))
 
 

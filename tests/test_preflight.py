@@ -221,3 +221,18 @@ def test_load_partition_rejects_an_index_shared_by_clients(tmp_path):
     path.write_text(json.dumps(doc))
     with pytest.raises(PartitionError, match="given to clients 1 and 2"):
         load_partition(path, dataset_size=DIGITS)
+
+
+def test_head_sharing_algorithm_needs_one_head_shape():
+    """LG-FedAvg and FedGH share the head only: a group whose heads differ (mlp-fedcl's
+    two-layer classifier against cnn's one linear layer) is refused before any process
+    starts, naming the shapes; a group with one head shape passes."""
+    from fedbus.node.setup import check_models
+
+    base = merged(SMALL, model={"feature_dim": 32})
+    mixed = build_config(merged(base, model={"group": ["cnn", "mlp-fedcl"]}))
+    with pytest.raises(ConfigError, match=r"one head shape.*cnn: weight \[10, 32\]"):
+        check_models(mixed, False, True)
+    assert check_models(mixed, False, False) == 32  # FedProto etc. do not care
+    same = build_config(merged(base, model={"group": ["cnn", "cnn4", "mlp"]}))
+    assert check_models(same, False, True) == 32
