@@ -202,13 +202,13 @@ class LocalRun:
         self.budget_s = float(budget_s)
         self.slow_factor = max(1.0, float(slow_factor))
         self.seed = int(seed)
-        self._clock = clock
+        self.clock = clock  # public: a handler's extra phase (FedRep's head epochs) shares it
         self._start = clock()
         self.work = Work(self.epochs, 0.0, 0, 0, "done")
 
     def elapsed(self) -> float:
         """Seconds of (virtual) device time since the run began."""
-        return (self._clock() - self._start) * self.slow_factor
+        return (self.clock() - self._start) * self.slow_factor
 
     def steps_per_epoch(self) -> int:
         return max(1, math.ceil(len(self.ctx.train_y) / self.ctx.train["batch_size"]))

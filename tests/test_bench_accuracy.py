@@ -50,6 +50,20 @@ def test_overrides_reach_the_config_and_the_run_name_only_of_their_algorithm():
     assert accuracy.run_name(args, "fedproto", 0, group) == "hetero-d512-fedproto-s0"
     assert accuracy.run_name(_args(), "fedtgp", 0, group) == "hetero-fedtgp-s0"
     assert accuracy.run_name(_args(), "local", 1, None) == "homo-local-s1"
+    # another group is part of the name too, so its runs never reuse the default group's
+    assert accuracy.run_name(_args(), "fd", 0, ["cnn", "mlp"]) == "hetero-cnn.mlp-fd-s0"
+
+
+def test_the_heterogeneous_block_is_read_from_the_registry():
+    """Every algorithm that averages no whole model runs on a model group; the baselines of
+    FedTGP's table among them, FedAvg-style ones not."""
+    assert accuracy.allows_model_group("fedtgp") and accuracy.allows_model_group("local")
+    assert not accuracy.allows_model_group("fedavg")
+    assert not accuracy.allows_model_group("proto-attention")
+    for name in ("fd", "lg-fedavg", "fml", "fedkd", "fedgh"):
+        assert accuracy.allows_model_group(name), name
+    for name in ("fedper", "fedrep"):
+        assert not accuracy.allows_model_group(name), name
 
 
 def test_a_bad_param_exits_2_before_any_run(tmp_path, capsys):
