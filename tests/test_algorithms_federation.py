@@ -7,8 +7,8 @@ modes that stress a handler:
 (b) async buffered aggregation (concurrency < clients, buffer 2) with a slow
     client, so updates arrive out of order and some are stale.
 
-The algorithms that allow different models per client (local, fedproto,
-fedtgp) run (a) with a model group. Two runs per algorithm keep the file
+The algorithms that allow different models per client (HETEROGENEOUS) run
+(a) with a model group. Two runs per algorithm keep the file
 within a few minutes on two cores; the mathematics of each algorithm is
 tested in tests/test_algo_*.py, the engine's modes in tests/test_federation.py.
 """
@@ -20,11 +20,14 @@ import pytest
 from helpers import SMALL, merged, metrics, run_federation
 
 ALGORITHMS = ["local", "fedavg", "fedprox", "fedproto", "fedavg-proto", "mpfedcl",
-              "proto-attention", "fedtgp", "fd", "lg-fedavg", "fml", "fedkd", "fedgh",
-              "fedper", "fedrep"]
-# whole-model averaging excluded: these run (a) with a model group (LG-FedAvg and FedGH
-# share only the head, FML and FedKD only their auxiliary model)
-HETEROGENEOUS = {"local", "fedproto", "fedtgp", "fd", "lg-fedavg", "fml", "fedkd", "fedgh"}
+              "proto-attention", "fedtgp"]
+# (the baselines of the papers' tables run the same two tests in
+# tests/test_baselines_federation.py, a file of its own so that the test command's
+# `-n 2 --dist loadfile` runs the two halves on different workers)
+# No whole-model averaging: these run (a) with a model group (LG-FedAvg, FedGH and FedGen
+# share only the head, FML and FedKD only their auxiliary model).
+HETEROGENEOUS = {"local", "fedproto", "fedtgp", "fd", "lg-fedavg", "fml", "fedkd", "fedgh",
+                 "fedgen"}
 PROTO_METRIC = {"fedproto", "fedavg-proto", "mpfedcl", "proto-attention", "fedtgp"}
 # MP-FedCL's k-means runs after local training, outside the time budget, and a
 # simulated slow device takes slow_factor times longer for it too: at 100x, the

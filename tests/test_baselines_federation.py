@@ -1,0 +1,23 @@
+"""The baselines of the papers' tables (FedTGP's Table 2: FedDistill, LG-FedAvg, FML,
+FedKD, FedGH, FedGen; FedProto's Table 1: FedPer, FedRep) in the two real federations of
+tests/test_algorithms_federation.py: sync rounds with partial participation and a folded
+straggler (with a model group where the method allows one) and async buffered aggregation
+with a slow client. The checks are that file's; this one only names the algorithms, so
+that the test command's `-n 2 --dist loadfile` runs the two halves on different workers.
+"""
+from __future__ import annotations
+
+import pytest
+import test_algorithms_federation as federation
+
+BASELINES = ["fd", "lg-fedavg", "fml", "fedkd", "fedgh", "fedgen", "fedper", "fedrep"]
+
+
+@pytest.mark.parametrize("algorithm", BASELINES)
+def test_sync_partial_participation_with_a_folded_straggler(tmp_path, algorithm):
+    federation.test_sync_partial_participation_with_a_folded_straggler(tmp_path, algorithm)
+
+
+@pytest.mark.parametrize("algorithm", BASELINES)
+def test_async_buffered_with_a_slow_client(tmp_path, algorithm):
+    federation.test_async_buffered_with_a_slow_client(tmp_path, algorithm)
