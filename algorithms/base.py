@@ -257,16 +257,66 @@ class ClientHandler:
 
     def evaluate(self, task: Mapping[str, Any]) -> dict[str, float]:
         """Score on the client's own test split: at least "acc" (the classifier
-        head) and, for prototype methods, "proto_acc"; also "loss"."""
+        head) and, for prototype methods, "proto_acc"; also "loss" (segmentation
+        adds "miou", and "proto_miou" for prototype methods)."""
         return head_metrics(self.ctx.model, self.ctx.test_x, self.ctx.test_y)
 
     @torch.no_grad()
     def embed(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """Up to n test embeddings and their labels (for the t-SNE plot)."""
+        """Up to n test embeddings and their labels (for the t-SNE plot). Dense
+        (segmentation) features: up to n feature pixels with a valid label, evenly
+        spaced over those of the first test images (labels downsampled as for
+        prototypes: fedbus.algorithms.protos.pixel_samples)."""
         x, y = self.ctx.test_x[:n], self.ctx.test_y[:n]
         self.ctx.model.eval()
         h = self.ctx.model.features(x) if len(x) else torch.zeros(0, self.ctx.feature_dim)
+        if h.dim() == 4:
+            from fedbus.algorithms.protos import pixel_samples
+
+            h, y = pixel_samples(h, y, self.ctx.num_classes)
+            if len(y) > n:
+                pick = torch.linspace(0, len(y) - 1, n, device=y.device).round().long()
+                h, y = h[pick], y[pick]
         return h.float().cpu().numpy(), y.cpu().numpy()
+
+    @torch.no_grad()
+    def masks(self, task: Mapping[str, Any], n: int) -> dict[str, np.ndarray] | None:
+        """Up to n test images with their ground truth and predicted masks, for the
+        mask plot of segmentation runs: {"image" uint8 [n, H, W, 3] (de-standardised
+        per image to 0..255), "truth" uint8 [n, H, W] (ignored pixels 255), "pred"
+        uint8 [n, H, W]}; None for classification data. The prediction is the head's
+        argmax with the eval task's global weights when the task carries a whole
+        model's ("weights": the FedAvg family scores the aggregate model), else with
+        the client's own model (the one its evaluate() scores)."""
+        ctx = self.ctx
+        if ctx.test_y.dim() != 3 or n <= 0 or len(ctx.test_y) == 0:
+            return None
+        model = ctx.model
+        x, y = ctx.test_x[:n], ctx.test_y[:n]
+        weights = task.get("weights") if isinstance(task, Mapping) else None
+        own = None
+        if isinstance(weights, Mapping) and set(model.state_dict()) <= set(weights):
+            own = model_weights(model)
+            load_weights(model, weights)
+        was_training = model.training
+        model.eval()
+        try:
+            pred = model(x).argmax(1)
+        finally:
+            model.train(was_training)
+            if own is not None:
+                load_weights(model, own)
+        img = x.float()
+        if img.shape[1] not in (1, 3):
+            img = img[:, :3]
+        lo = img.amin(dim=(1, 2, 3), keepdim=True)
+        hi = img.amax(dim=(1, 2, 3), keepdim=True)
+        img = ((img - lo) / (hi - lo).clamp(min=1e-8) * 255).round()
+        img = img.expand(-1, 3, -1, -1) if img.shape[1] == 1 else img
+        truth = torch.where((y >= 0) & (y < ctx.num_classes), y, 255)
+        return {"image": img.permute(0, 2, 3, 1).to(torch.uint8).cpu().numpy(),
+                "truth": truth.to(torch.uint8).cpu().numpy(),
+                "pred": pred.to(torch.uint8).cpu().numpy()}
 
     def extra_state(self) -> dict[str, Any]:
         """Handler state beyond model and optimizer (e.g. the last global prototypes)."""
@@ -314,13 +364,49 @@ def weight_delta(model: torch.nn.Module, base: Mapping[str, Any]) -> dict[str, n
     out = {}
     for k, v in model.state_dict().items():
         cur = v.detach().cpu().numpy()
-        out[k] = (cur - np.asarray(base[k], dtype=cur.dtype)).astype(cur.dtype, copy=False)
+        # np.asarray: a 0-d buffer (BatchNorm's num_batches_tracked) would otherwise
+        # become a numpy scalar, which the wire turns into a plain int, and validation
+        # rejects a declared array that arrives as an int
+        out[k] = np.asarray(cur - np.asarray(base[k], dtype=cur.dtype), dtype=cur.dtype)
     return out
+
+
+def confusion_matrix(pred: torch.Tensor, labels: torch.Tensor,
+                     num_classes: int) -> torch.Tensor:
+    """[C, C] int64 counts, rows = truth, columns = prediction, over the labels in
+    0..C-1 (ignored pixels, < 0 or >= C, count nowhere). Any shapes, pred like labels."""
+    y = labels.reshape(-1)
+    p = pred.reshape(-1).to(y.device)
+    ok = (y >= 0) & (y < num_classes)
+    idx = y[ok] * num_classes + p[ok].clamp(0, num_classes - 1)
+    return torch.bincount(idx, minlength=num_classes * num_classes).reshape(
+        num_classes, num_classes)
+
+
+def dense_scores(conf: torch.Tensor | np.ndarray) -> tuple[float, float]:
+    """(pixel accuracy, mean IoU) of a confusion matrix. IoU_c = TP_c / (TP_c + FP_c +
+    FN_c), averaged over the classes present in the ground truth or the prediction
+    (TP + FP + FN > 0): the usual per-split mIoU (Pascal VOC's, background included);
+    (nan, nan) without a valid pixel."""
+    c = np.asarray(conf.cpu() if isinstance(conf, torch.Tensor) else conf, dtype=np.float64)
+    total = c.sum()
+    if total <= 0:
+        return float("nan"), float("nan")
+    tp = np.diag(c)
+    union = c.sum(0) + c.sum(1) - tp
+    present = union > 0
+    return float(tp.sum() / total), float((tp[present] / union[present]).mean())
 
 
 @torch.no_grad()
 def head_metrics(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
                  batch: int = 512) -> dict[str, float]:
+    """The classifier head on (x, y): {"acc", "loss", "num_test"}. For segmentation
+    masks y [N, H, W] (logits [N, C, H, W]): "acc" = pixel accuracy, "loss" = mean
+    per-pixel cross-entropy, "miou" = mean IoU (dense_scores), all over the pixels with
+    a valid label (ignored ones, -100, count nowhere); "num_test" = images."""
+    if y.dim() == 3:
+        return _dense_head_metrics(model, x, y, min(batch, 64))
     if len(y) == 0:
         return {"acc": float("nan"), "loss": float("nan"), "num_test": 0}
     model.eval()
@@ -331,3 +417,26 @@ def head_metrics(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
         correct += (logits.argmax(1) == y[i:i + batch]).sum().item()
     model.train()
     return {"acc": correct / len(y), "loss": loss / len(y), "num_test": int(len(y))}
+
+
+def _dense_head_metrics(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+                        batch: int) -> dict[str, float]:
+    if len(y) == 0:
+        return {"acc": float("nan"), "miou": float("nan"), "loss": float("nan"),
+                "num_test": 0}
+    model.eval()
+    conf, loss, pixels = None, 0.0, 0
+    for i in range(0, len(y), batch):
+        logits = model(x[i:i + batch])
+        yb = y[i:i + batch]
+        num_classes = logits.shape[1]
+        # ignore_index -100: the client's ignored pixels (and any label out of range)
+        yb = torch.where((yb >= 0) & (yb < num_classes), yb, -100)
+        loss += torch.nn.functional.cross_entropy(logits, yb, reduction="sum").item()
+        pixels += (yb >= 0).sum().item()
+        c = confusion_matrix(logits.argmax(1), yb, num_classes)
+        conf = c if conf is None else conf + c
+    model.train()
+    acc, miou = dense_scores(conf)
+    return {"acc": acc, "miou": miou, "loss": loss / pixels if pixels else float("nan"),
+            "num_test": len(y)}

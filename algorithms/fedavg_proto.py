@@ -43,7 +43,9 @@ On the bus:
   the training data with the client's post-training model);
 - eval: {"weights", "protos": float32 [C, D], "has": bool [C]}. "acc" is the
   global model's head (as FedAvg), "proto_acc" is eq. 4 with the model
-  `infer_model` names, nan before any prototype exists.
+  `infer_model` names, nan before any prototype exists. Segmentation: per-pixel
+  prototypes and inference (fedbus.algorithms.protos; "proto_miou" beside
+  "proto_acc", "miou" beside "acc").
 Global prototypes persist across aggregations; a class nobody sent keeps its
 previous prototype (only matters with `every_round` and partial participation:
 the paper has every client in its last round).
@@ -62,7 +64,7 @@ from fedbus.algorithms.base import (ClientUpdate, Failure, LocalRun, RoundInfo, 
 from fedbus.algorithms.fedavg import FedAvgClient, FedAvgServer, swapped_weights
 from fedbus.algorithms.local import opt
 from fedbus.algorithms.protos import (aggregate_prototypes, local_prototypes, merge_prototypes,
-                                      prototype_accuracy)
+                                      prototype_metrics)
 
 
 class FedAvgProtoServer(FedAvgServer):
@@ -149,10 +151,9 @@ class FedAvgProtoClient(FedAvgClient):
         with swapped_weights(ctx.model, task["weights"]):
             out = head_metrics(ctx.model, ctx.test_x, ctx.test_y)
             if on_global:
-                out["proto_acc"] = prototype_accuracy(ctx.model, ctx.test_x, ctx.test_y,
-                                                      protos, has)
+                out.update(prototype_metrics(ctx.model, ctx.test_x, ctx.test_y, protos, has))
         if not on_global:
-            out["proto_acc"] = prototype_accuracy(ctx.model, ctx.test_x, ctx.test_y, protos, has)
+            out.update(prototype_metrics(ctx.model, ctx.test_x, ctx.test_y, protos, has))
         return out
 
 

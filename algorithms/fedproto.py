@@ -64,6 +64,13 @@ Client i, per task:
   Inference uses the client's own (post-training) model, as the paper and the
   code. evaluate() returns acc (the head), proto_acc (eq. 4), loss (head
   cross-entropy), num_test.
+Segmentation (dense features [B, D, h, w], masks [B, H, W]; the paper is about
+classification): every feature pixel is a sample with its nearest-neighbour
+downsampled label (fedbus.algorithms.protos), so prototypes are per-class pixel
+means, counts are pixel counts at feature resolution, the "mse" regulariser pulls
+each pixel's feature to its class's global prototype (ignored pixels excluded),
+and inference labels each feature pixel (scored upsampled: proto_acc = pixel
+accuracy, proto_miou; head: acc = pixel accuracy, miou).
 
 Server, per aggregation (eq. 6): for each class k, a weighted mean over the
 clients that sent it, each weighed by the engine's staleness weight s_i
@@ -96,8 +103,9 @@ from fedbus.algorithms import Algorithm
 from fedbus.algorithms.base import (ClientUpdate, Failure, LocalRun, RoundInfo, ServerHandler,
                                     head_metrics, to_tensor)
 from fedbus.algorithms.local import LocalClient, Params, opt, staleness_metrics
-from fedbus.algorithms.protos import (aggregate_prototypes, class_means, class_sums,
-                                      local_prototypes, merge_prototypes, prototype_accuracy)
+from fedbus.algorithms.protos import (aggregate_prototypes, class_counts, class_means,
+                                      class_sums, local_prototypes, merge_prototypes,
+                                      pixel_samples, prototype_metrics)
 
 # Declarations other modules import (FedTGP did); FedProto's PARAMS use them too.
 PROTO_LOSS = opt("mse", "client regulariser: mse = App. B eq. 1 and the reference code "
@@ -171,8 +179,9 @@ class FedProtoClient(LocalClient):
     def __init__(self, ctx):
         super().__init__(ctx)
         self.num_classes = ctx.num_classes
-        self.train_counts = torch.bincount(ctx.train_y, minlength=ctx.num_classes)
+        self.train_counts = class_counts(ctx.train_y, ctx.num_classes)
         self.own = self.train_counts > 0
+        self._feature_size: tuple[int, int] | None = None  # dense features: (h, w)
         self._global: torch.Tensor | None = None
         self._has: torch.Tensor | None = None
         self._reg = False
@@ -222,6 +231,8 @@ class FedProtoClient(LocalClient):
             self._done = (self._sums, self._seen)
             self._sums, self._seen = self._zero_sums()
             self._epoch = epoch
+        if h.dim() == 4:
+            self._feature_size = tuple(h.shape[2:])
         s, n = class_sums(h.detach().float(), y, self.num_classes)
         self._sums += s
         self._seen += n
@@ -242,6 +253,10 @@ class FedProtoClient(LocalClient):
 
     def proto_reg(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         g = self._global.to(h.dtype)
+        # dense maps: one sample per feature pixel (labels downsampled, ignored dropped)
+        h, y = pixel_samples(h, y, self.num_classes)
+        if len(y) == 0:
+            return h.sum() * 0.0
         if self.proto_loss == "mse":
             # The code's proto_new: each row replaced by its class's global
             # prototype when there is one, else left equal to the feature.
@@ -265,8 +280,11 @@ class FedProtoClient(LocalClient):
             if self._step % self._per_epoch and self._done is not None:
                 sums, seen = self._done  # cut mid-epoch: the last complete epoch
             protos = sums / seen.clamp(min=1).unsqueeze(1).float()
-            counts = torch.where(seen > 0, self.train_counts,
-                                 torch.zeros_like(self.train_counts))
+            # |D_i,k|; for dense data the class's pixels at feature resolution, the unit
+            # the "after" prototypes count in (fedbus.algorithms.protos)
+            full = (self.train_counts if self._feature_size is None else
+                    class_counts(ctx.train_y, self.num_classes, self._feature_size))
+            counts = torch.where(seen > 0, full, torch.zeros_like(full))
             return (protos.cpu().numpy().astype(np.float32),
                     counts.cpu().numpy().astype(np.int64))
         # "after", or "during" when the run made no step (nothing seen): eq. 3.
@@ -278,7 +296,7 @@ class FedProtoClient(LocalClient):
         out = head_metrics(ctx.model, ctx.test_x, ctx.test_y)
         g, has = self.global_protos(task)
         allowed = has & self.own if self.infer_own else has
-        out["proto_acc"] = prototype_accuracy(ctx.model, ctx.test_x, ctx.test_y, g, allowed)
+        out.update(prototype_metrics(ctx.model, ctx.test_x, ctx.test_y, g, allowed))
         return out
 
 

@@ -113,8 +113,8 @@ from fedbus.algorithms import Algorithm
 from fedbus.algorithms.base import (ClientUpdate, Failure, LocalRun, RoundInfo, ServerHandler,
                                     head_metrics, to_tensor)
 from fedbus.algorithms.local import LocalClient, Params, opt, staleness_metrics
-from fedbus.algorithms.protos import (aggregate_prototypes, class_means, local_prototypes,
-                                      prototype_accuracy)
+from fedbus.algorithms.protos import (aggregate_prototypes, class_counts, class_means,
+                                      local_prototypes, pixel_samples, prototype_metrics)
 
 MARGINS = ("max", "max_min", "fixed", "none")
 
@@ -186,8 +186,12 @@ def prototype_regulariser(h: torch.Tensor, y: torch.Tensor, protos: torch.Tensor
     "paper": mean over the batch's classes c with a global prototype of
              ||mean(h[y == c]) - protos[c]||_2;
     "mse":   nn.MSELoss(h, target), target row b = protos[y_b] when y_b has a
-             global prototype, else h_b itself (the code's `proto_new`)."""
+             global prototype, else h_b itself (the code's `proto_new`).
+    Dense maps (segmentation): one sample per feature pixel (fedbus.algorithms.protos)."""
     g = protos.to(h.dtype)
+    h, y = pixel_samples(h, y, len(g))
+    if len(y) == 0:
+        return h.sum() * 0.0
     if form == "mse":
         target = torch.where(has[y].unsqueeze(1), g[y], h.detach())
         return F.mse_loss(h, target)
@@ -341,7 +345,7 @@ class FedTGPClient(LocalClient):
     def __init__(self, ctx):
         super().__init__(ctx)
         self.num_classes = ctx.num_classes
-        self.own = torch.bincount(ctx.train_y, minlength=ctx.num_classes) > 0
+        self.own = class_counts(ctx.train_y, ctx.num_classes) > 0
         self.lam = float(self.param("lam"))
         self.proto_loss = self.param("proto_loss")
         self.infer_own = self.param("infer_classes") == "own"
@@ -383,7 +387,7 @@ class FedTGPClient(LocalClient):
         out = head_metrics(ctx.model, ctx.test_x, ctx.test_y)
         g, has = self.global_protos(task)
         allowed = has & self.own.to(has.device) if self.infer_own else has
-        out["proto_acc"] = prototype_accuracy(ctx.model, ctx.test_x, ctx.test_y, g, allowed)
+        out.update(prototype_metrics(ctx.model, ctx.test_x, ctx.test_y, g, allowed))
         return out
 
 

@@ -94,6 +94,10 @@ training), "protos_before" float32 [C, D] (raw, before training), "counts"
 int64 [C], "train_loss" (only when a step ran)}; the server normalises.
 Task payload: {"weights"}. "proto_acc" in evaluate: nearest prototype among
 the client's own training-set prototypes under the evaluated (global) model.
+Segmentation (Sec. 5.2, Pascal VOC with DeepLab-V3+): prototypes are per-class
+means over feature pixels, labels downsampled by nearest neighbour (S3.2), and
+counts n_k[c] are pixel counts at feature resolution (fedbus.algorithms.protos);
+evaluate adds "miou" (the paper's segmentation metric) and "proto_miou".
 """
 from __future__ import annotations
 
@@ -107,8 +111,7 @@ from fedbus.algorithms.base import (ClientUpdate, Failure, LocalRun, RoundInfo, 
                                     to_tensor)
 from fedbus.algorithms.fedavg import FedAvgClient, FedAvgServer, swapped_weights
 from fedbus.algorithms.local import opt
-from fedbus.algorithms.protos import (embeddings, local_prototypes, minmax_channels,
-                                      nearest_prototype)
+from fedbus.algorithms.protos import local_prototypes, minmax_channels, prototype_metrics
 
 PARAMS: dict[str, Any] = {
     "norm": opt("sigmoid", "client deviations -> attention: sigmoid (eq. 11-12: sigmoid of the "
@@ -373,12 +376,9 @@ class ProtoAttentionClient(FedAvgClient):
         with swapped_weights(ctx.model, task["weights"]):
             out = head_metrics(ctx.model, ctx.test_x, ctx.test_y)
             protos, counts = self._protos()
-            if len(ctx.test_y) == 0 or not (counts > 0).any():
-                out["proto_acc"] = float("nan")
-                return out
-            z = embeddings(ctx.model, ctx.test_x)
-        pred = nearest_prototype(z, to_tensor(protos, z.device), to_tensor(counts > 0, z.device))
-        out["proto_acc"] = float((pred == ctx.test_y).float().mean())
+            out.update(prototype_metrics(ctx.model, ctx.test_x, ctx.test_y,
+                                         to_tensor(protos, ctx.device),
+                                         to_tensor(counts > 0, ctx.device)))
         return out
 
 

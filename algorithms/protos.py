@@ -1,15 +1,85 @@
 """Prototype mathematics shared by the prototype algorithms, vectorised on the
 device: per-class sums by index_add over features the loss already computed,
-never a Python loop over samples."""
+never a Python loop over samples.
+
+Dense (segmentation) data. When features are a map [B, D, h, w] (fedbus.models.segnet)
+and labels are masks [B, H, W], every helper here works on pixels, as Michieli & Ozay do
+for Pascal VOC ("class membership for the low-resolution feature map is obtained with
+simple nearest neighbor downsampling of the full-resolution segmentation maps", S3.2):
+the labels are downsampled to (h, w) by nearest neighbour (`downsample_labels`: feature
+pixel (i, j) takes label pixel (floor(i H / h), floor(j W / w))), both are flattened to
+samples (features [B h w, D], labels [B h w]) and the ignored pixels (label < 0, i.e. the
+client's -100, or >= num_classes, e.g. VOC's 255) are dropped (`pixel_samples`). So a
+class prototype is the mean feature over that class's pixels at feature resolution, and
+"counts" [C] are pixel counts at feature resolution (the number of feature vectors each
+mean is over: what a count-weighted aggregation must weigh). Classification inputs
+([B, D] features, [B] labels) pass through unchanged.
+Nearest-prototype inference on a map labels every feature pixel with its nearest
+prototype's class; `prototype_metrics` scores that map at label resolution, upsampled
+by nearest neighbour (each feature pixel's class covers its H/h x W/w block), against
+the full-resolution masks: the same pixels and ground truth as the head's pixel accuracy
+and mIoU (fedbus.algorithms.base.head_metrics), so "proto_acc"/"proto_miou" and
+"acc"/"miou" compare like with like.
+"""
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from fedbus.algorithms.base import confusion_matrix, dense_scores
+
+
+def is_dense(labels: torch.Tensor) -> bool:
+    """Per-pixel labels (masks [B, H, W]) rather than one label per sample."""
+    return labels.dim() == 3
+
+
+def downsample_labels(labels: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """Masks [B, H, W] at (h, w) by nearest neighbour: out[:, i, j] = labels[:, floor(i H /
+    h), floor(j W / w)] (torch's "nearest" rule, on integers, so no label is blended)."""
+    H, W = labels.shape[-2:]
+    h, w = int(size[0]), int(size[1])
+    if (h, w) == (H, W):
+        return labels
+    rows = torch.div(torch.arange(h, device=labels.device) * H, h, rounding_mode="floor")
+    cols = torch.div(torch.arange(w, device=labels.device) * W, w, rounding_mode="floor")
+    return labels[..., rows[:, None], cols[None, :]]
+
+
+def pixel_samples(features: torch.Tensor, labels: torch.Tensor,
+                  num_classes: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(features [M, D], labels [M]): dense features [B, D, h, w] with masks [B, H, W]
+    become one sample per feature pixel with a valid label (labels downsampled to (h, w),
+    ignored pixels dropped: < 0, or >= num_classes when given); [B, D] features with [B]
+    labels are returned as they are."""
+    if features.dim() != 4:
+        return features, labels
+    d = features.shape[1]
+    y = downsample_labels(labels, features.shape[2:]).reshape(-1)
+    f = features.permute(0, 2, 3, 1).reshape(-1, d)
+    keep = y >= 0
+    if num_classes is not None:
+        keep &= y < num_classes
+    return f[keep], y[keep]
+
+
+def class_counts(labels: torch.Tensor, num_classes: int,
+                 size: tuple[int, int] | None = None) -> torch.Tensor:
+    """int64 [C]: samples per class of labels [N], or for masks [N, H, W] valid pixels per
+    class, at `size` (h, w) after nearest-neighbour downsampling when given (the feature
+    resolution: what prototype counts count), else at label resolution."""
+    if is_dense(labels):
+        if size is not None:
+            labels = downsample_labels(labels, size)
+        labels = labels.reshape(-1)
+        labels = labels[(labels >= 0) & (labels < num_classes)]
+    return torch.bincount(labels, minlength=num_classes)[:num_classes]
+
 
 def class_sums(features: torch.Tensor, labels: torch.Tensor,
                num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-class feature sums [C, D] and counts [C] (int64)."""
+    """Per-class feature sums [C, D] and counts [C] (int64); dense maps per pixel."""
+    features, labels = pixel_samples(features, labels, num_classes)
     sums = torch.zeros(num_classes, features.shape[1], dtype=features.dtype,
                        device=features.device)
     sums.index_add_(0, labels, features)
@@ -33,6 +103,8 @@ def local_prototypes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
     was_training = model.training
     model.eval()
     sums, counts = None, None
+    if is_dense(y):
+        batch = min(batch, 64)  # a dense network's activations are per pixel
     for i in range(0, len(y), batch):
         s, c = class_sums(model.features(x[i:i + batch]).float(), y[i:i + batch], num_classes)
         sums = s if sums is None else sums + s
@@ -47,7 +119,12 @@ def local_prototypes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
 def nearest_prototype(features: torch.Tensor, protos: torch.Tensor,
                       allowed: torch.Tensor | None = None) -> torch.Tensor:
     """Class of the nearest prototype by L2 distance. `allowed` is a bool mask
-    [C]: classes outside it (e.g. without a global prototype) never win."""
+    [C]: classes outside it (e.g. without a global prototype) never win.
+    Features [N, D] -> [N]; a dense map [B, D, h, w] -> a class map [B, h, w]."""
+    if features.dim() == 4:
+        b, d, h, w = features.shape
+        flat = features.permute(0, 2, 3, 1).reshape(-1, d)
+        return nearest_prototype(flat, protos, allowed).reshape(b, h, w)
     dist = torch.cdist(features.float(), protos.float())
     if allowed is not None:
         dist[:, ~allowed] = float("inf")
@@ -57,7 +134,8 @@ def nearest_prototype(features: torch.Tensor, protos: torch.Tensor,
 @torch.no_grad()
 def embeddings(model: torch.nn.Module, x: torch.Tensor, batch: int = 512) -> torch.Tensor:
     """features(x) for every row of x, in eval mode, batched, as float32 on
-    x's device ([0, feature_dim] when x is empty needs the caller's D)."""
+    x's device ([0, feature_dim] when x is empty needs the caller's D; dense
+    networks give maps [N, D, h, w])."""
     was_training = model.training
     model.eval()
     out = [model.features(x[i:i + batch]).float() for i in range(0, len(x), batch)]
@@ -65,6 +143,15 @@ def embeddings(model: torch.nn.Module, x: torch.Tensor, batch: int = 512) -> tor
     if not out:
         raise ValueError("no samples to embed")
     return torch.cat(out, 0)
+
+
+@torch.no_grad()
+def labelled_embeddings(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+                        batch: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """(features [M, D], labels [M]) of (x, y): one row per sample, or for dense data
+    one row per feature pixel with a valid label (`pixel_samples`)."""
+    h = embeddings(model, x, min(batch, 64) if is_dense(y) else batch)
+    return pixel_samples(h, y)
 
 
 def minmax_channels(protos: np.ndarray) -> np.ndarray:
@@ -118,14 +205,43 @@ def merge_prototypes(old: np.ndarray, old_has: np.ndarray, new: np.ndarray,
 
 
 @torch.no_grad()
+def prototype_metrics(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+                      protos: torch.Tensor, allowed: torch.Tensor | None = None,
+                      batch: int = 512) -> dict[str, float]:
+    """Nearest-prototype inference (L2, over the `allowed` classes) scored on (x, y):
+    {"proto_acc"} for classification; for masks {"proto_acc" (pixel accuracy),
+    "proto_miou"}, the class map upsampled to label resolution by nearest neighbour
+    (module doc). nan without test samples or without any allowed prototype."""
+    dense = is_dense(y)
+    if len(y) == 0 or (allowed is not None and not bool(allowed.any())):
+        return {"proto_acc": float("nan"), **({"proto_miou": float("nan")} if dense else {})}
+    if not dense:
+        h = embeddings(model, x, batch)
+        pred = nearest_prototype(h, protos.to(h.device), None if allowed is None
+                                 else allowed.to(h.device))
+        return {"proto_acc": float((pred == y).float().mean().item())}
+    num_classes = protos.shape[0]
+    conf = torch.zeros(num_classes, num_classes, dtype=torch.int64, device=y.device)
+    was_training = model.training
+    model.eval()
+    batch = min(batch, 64)
+    for i in range(0, len(y), batch):
+        h = model.features(x[i:i + batch]).float()
+        pred = nearest_prototype(h, protos.to(h.device), None if allowed is None
+                                 else allowed.to(h.device))
+        up = torch.nn.functional.interpolate(pred[:, None].float(), size=y.shape[-2:],
+                                             mode="nearest")[:, 0].long()
+        conf += confusion_matrix(up, y[i:i + batch], num_classes)
+    model.train(was_training)
+    acc, miou = dense_scores(conf)
+    return {"proto_acc": acc, "proto_miou": miou}
+
+
+@torch.no_grad()
 def prototype_accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
                        protos: torch.Tensor, allowed: torch.Tensor | None = None,
                        batch: int = 512) -> float:
     """Accuracy of nearest-prototype inference (L2, over the `allowed` classes)
-    on (x, y); nan without test samples or without any allowed prototype."""
-    if len(y) == 0 or (allowed is not None and not bool(allowed.any())):
-        return float("nan")
-    h = embeddings(model, x, batch)
-    pred = nearest_prototype(h, protos.to(h.device), None if allowed is None
-                             else allowed.to(h.device))
-    return float((pred == y).float().mean().item())
+    on (x, y) (pixel accuracy for masks); nan without test samples or without any
+    allowed prototype."""
+    return prototype_metrics(model, x, y, protos, allowed, batch)["proto_acc"]

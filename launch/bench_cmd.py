@@ -17,6 +17,9 @@ BENCHES = {
     "accuracy": ("accuracy", "the algorithms' accuracy table on offline MNIST over seeds"),
     "reproduce": ("reproduce", ("one paper's table rerun offline at its settings, scaled "
                                 "to this machine, beside the paper's numbers")),
+    "segmentation": ("segmentation", ("FedAvg and proto-attention on the generated "
+                                      "shapes-seg segmentation set over seeds (mIoU, pixel "
+                                      "accuracy)")),
 }
 
 

@@ -14,6 +14,7 @@ from .base import ProtoNet
 from .pretrained import PretrainedUnavailable
 from .registry import (
     ARCHS,
+    DENSE_ARCHS,
     GROUP_FEATURE_DIM,
     MODEL_DEFAULTS,
     NATIVE_FEATURE_DIM,
@@ -27,9 +28,24 @@ from .registry import (
     format_group,
     parse_arch,
 )
+from .segnet import DeepLabV3Plus
 
 __all__ = [
-    "ARCHS", "GROUP_FEATURE_DIM", "MODEL_DEFAULTS", "NATIVE_FEATURE_DIM", "PretrainedUnavailable",
-    "ProtoNet", "arch_for_client", "build_client_model", "build_model", "count_params",
-    "describe", "describe_group", "feature_dim_for", "format_group", "parse_arch",
+    "ARCHS",
+    "DENSE_ARCHS",
+    "GROUP_FEATURE_DIM",
+    "MODEL_DEFAULTS",
+    "NATIVE_FEATURE_DIM",
+    "DeepLabV3Plus",
+    "PretrainedUnavailable",
+    "ProtoNet",
+    "arch_for_client",
+    "build_client_model",
+    "build_model",
+    "count_params",
+    "describe",
+    "describe_group",
+    "feature_dim_for",
+    "format_group",
+    "parse_arch",
 ]

@@ -10,6 +10,8 @@ from .base import ProtoNet
 from .mobilenet import MobileNetV2
 from .pretrained import load_pretrained
 from .resnet import ResNet
+from .segnet import BACKBONES as DEEPLAB_BACKBONES
+from .segnet import DeepLabV3Plus
 from .small import MLP, FedAvgCNN, FedCLMLP, FedProtoCNN
 
 
@@ -44,6 +46,10 @@ def _mlp(in_shape, num_classes, feature_dim=None, option=None):
                hidden=_option_int("mlp", option, "the first hidden layer's width"))
 
 
+def _deeplab(in_shape, num_classes, feature_dim=None, option=None):
+    return DeepLabV3Plus(in_shape, num_classes, feature_dim, backbone=option or "resnet8")
+
+
 def _plain(cls):
     def make(in_shape, num_classes, feature_dim=None):
         return cls(in_shape, num_classes, feature_dim)
@@ -71,10 +77,15 @@ ARCHS: dict[str, Callable[..., ProtoNet]] = {
     "mlp": _mlp,
 }
 
+#: segmentation networks (features [B, D, h, w], per-pixel logits [B, C, H, W]), kept apart
+#: from ARCHS, whose members all map a sample to one vector and one logit row
+DENSE_ARCHS: dict[str, Callable[..., ProtoNet]] = {"deeplab": _deeplab}
+_ALL_ARCHS = {**ARCHS, **DENSE_ARCHS}
+
 #: each architecture's own feature (prototype) dimension
 NATIVE_FEATURE_DIM: dict[str, int] = {
     "cnn": 50, "cnn4": 512, "mlp-fedcl": 512, "resnet8": 256, "resnet10": 512,
-    "resnet18": 512, "resnet34": 512, "mobilenetv2": 1280, "mlp": 200,
+    "resnet18": 512, "resnet34": 512, "mobilenetv2": 1280, "mlp": 200, "deeplab": 64,
 }
 
 #: common prototype dimension of a model group whose members' native dims differ
@@ -90,12 +101,16 @@ def parse_arch(arch: str) -> tuple[str, str | None]:
     if not isinstance(arch, str):
         raise TypeError(f"arch must be a string, got {arch!r}")
     base, _, option = arch.strip().partition(":")
-    if base not in ARCHS:
-        raise ValueError(f"unknown arch {arch!r}; known architectures: {', '.join(ARCHS)} "
-                         f"(cnn takes an out-channels option, e.g. cnn:18)")
-    if option and base not in ("cnn", "mlp"):
+    if base not in _ALL_ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; known architectures: "
+                         f"{', '.join(_ALL_ARCHS)} (cnn takes an out-channels option, e.g. "
+                         f"cnn:18)")
+    if option and base not in ("cnn", "mlp", "deeplab"):
         raise ValueError(f"arch {arch!r}: only cnn (cnn:OUT_CHANNELS) and mlp (mlp:HIDDEN) "
-                         f"take an option")
+                         f"take an option, and deeplab its backbone (deeplab:BACKBONE)")
+    if option and base == "deeplab" and option not in DEEPLAB_BACKBONES:
+        raise ValueError(f"arch {arch!r}: deeplab's backbone is one of "
+                         f"{', '.join(DEEPLAB_BACKBONES)}")
     return base, (option or None)
 
 
@@ -106,7 +121,9 @@ def build_model(arch: str, *, in_shape: tuple[int, ...], num_classes: int,
 
     arch: a name of ``ARCHS`` ("cnn", "cnn:18", "cnn4", "mlp-fedcl", "resnet8", "resnet10",
         "resnet18", "resnet34", "mobilenetv2", "mlp", "mlp:128" = first hidden layer 128
-        wide); unknown -> ValueError listing them.
+        wide, "deeplab" = "deeplab:resnet8" or "deeplab:mobilenetv2", a small DeepLab-V3+
+        for segmentation: dense features [B, D, H/4, W/4], per-pixel logits); unknown ->
+        ValueError listing them.
     in_shape: one sample's shape, images ``(C, H, W)`` (any C; 8x8 and up), tabular/1-D ``(D,)``
         (mlp and mlp-fedcl flatten anything; the conv nets need images, else ValueError).
     feature_dim: None or 0 = the arch's native prototype dimension (``NATIVE_FEATURE_DIM``);
@@ -130,7 +147,7 @@ def build_model(arch: str, *, in_shape: tuple[int, ...], num_classes: int,
         kwargs["option"] = option
 
     def make() -> ProtoNet:
-        return ARCHS[base](in_shape, int(num_classes), **kwargs)
+        return _ALL_ARCHS[base](in_shape, int(num_classes), **kwargs)
 
     if seed is None:
         model = make()

@@ -244,6 +244,10 @@ class ClientNode:
         if body.get("embed"):
             h, y = handler.embed(int(body["embed"]))
             result["embeddings"] = {"h": h, "y": y}
+        if body.get("masks"):  # segmentation only: handler.masks is None otherwise
+            masks = handler.masks(body["payload"], int(body["masks"]))
+            if masks is not None:
+                result["masks"] = masks
         self._send("eval_result", msg, result)
 
 

@@ -32,6 +32,11 @@ from fedbus.algorithms.base import ClientUpdate, Failure, RoundInfo, ServerHandl
 from fedbus.node.config import Config
 
 SERVER = "server"
+# Segmentation runs: at the final evaluation the first MASK_CLIENTS evaluated clients
+# are asked for MASK_IMAGES (image, truth, prediction) triples each (ClientHandler.masks;
+# classification clients send none), stored in RUN/masks.fbk for `fedbus plot`.
+MASK_CLIENTS = 4
+MASK_IMAGES = 2
 
 
 def client_address(client: int) -> str:
@@ -148,6 +153,9 @@ class Engine:
         self.start_time: float | None = None
         self.done = False
         self.records: list[dict[str, Any]] = []  # metrics, drained by the shell
+        # Labelled units per training sample (1; H * W pixels for segmentation masks): the
+        # shell's bound on an update's per-class counts (fedbus.node.validate).
+        self.label_pixels = 1
         self.events: list[dict[str, Any]] = []  # notable happenings for the log/progress
         self.totals = {"bytes_up": 0, "bytes_down": 0, "params_up": 0, "params_down": 0,
                        "rejected": 0, "late_dropped": 0, "late_folded": 0}
@@ -533,10 +541,12 @@ class Engine:
         self.evals[eid] = ev
         info = RoundInfo(self.version - 1, self.rounds)
         out = []
-        for c in targets:
+        for i, c in enumerate(targets):
             body = {"eval": eid, "version": self.version,
                     "embed": int(self.cfg.log.embeddings) if final else 0,
                     "payload": self.handler.make_eval(c, info)}
+            if final and i < MASK_CLIENTS and self.label_pixels > 1:
+                body["masks"] = MASK_IMAGES
             out.append(Out("eval", client_address(c), record["round"], body))
         if not targets:
             out += self._finish_eval(eid, now)
@@ -562,6 +572,8 @@ class Engine:
         self.records.append(record)
         self.final_embeddings = {c: r["embeddings"] for c, r in ev.results.items()
                                  if r.get("embeddings")}
+        self.final_masks = {c: r["masks"] for c, r in ev.results.items()
+                            if isinstance(r.get("masks"), dict)}
         out: list[Out] = []
         if self.version >= self.rounds and not self.evals:
             out += self._finish(now)
@@ -593,14 +605,22 @@ class Engine:
         self.handler.load_state_dict(state["handler"])
 
 
+# Client metrics summarised over clients: the head ("acc"), nearest prototype
+# ("proto_acc"), the auxiliary model of FML/FedKD ("aux_acc"), FedGH's two headers
+# ("local_head_acc", "global_head_acc"), segmentation's mIoU ("miou", "proto_miou").
+METRIC_KEYS = ("acc", "proto_acc", "aux_acc", "local_head_acc", "global_head_acc", "loss",
+               "miou", "proto_miou")
+
+
 def summarise_eval(per_client: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """Per-client test metrics -> mean and std over clients (the papers'
-    metric) and the sample-weighted total (PFLlib's)."""
+    metric) and the sample-weighted total (PFLlib's); segmentation's "miou" and
+    "proto_miou" (per-client mIoU, weighted by test images) likewise."""
     out: dict[str, Any] = {}
     if not per_client:
         return out
     n = np.array([float(m.get("num_test", 0)) for m in per_client.values()])
-    for key in ("acc", "proto_acc", "loss"):
+    for key in METRIC_KEYS:
         vals = np.array([float(m[key]) if m.get(key) is not None else np.nan
                          for m in per_client.values()])
         ok = ~np.isnan(vals)
@@ -610,6 +630,6 @@ def summarise_eval(per_client: dict[int, dict[str, Any]]) -> dict[str, Any]:
         out[f"{key}_std"] = float(vals[ok].std())
         if n[ok].sum() > 0:
             out[f"{key}_weighted"] = float((vals[ok] * n[ok]).sum() / n[ok].sum())
-    out["per_client"] = {str(c): {k: m[k] for k in ("acc", "proto_acc") if k in m}
+    out["per_client"] = {str(c): {k: m[k] for k in METRIC_KEYS if k != "loss" and k in m}
                          for c, m in sorted(per_client.items())}
     return out

@@ -8,6 +8,7 @@
     attention*.png       client x round heatmap of attention (proto-attention, fedatt)
     ffd.png              feature discrepancy to a central model (log.ffd_reference)
     tsne*.png            t-SNE of final test embeddings with the global prototypes
+    masks*.png           segmentation: test images | ground truth | predicted mask
 
 Everything reads the files a run leaves (see fedbus.node.rundir); a file that
 is missing (a crashed run) only skips the figures that need it. matplotlib is
@@ -31,8 +32,12 @@ from fedbus.node.rundir import read_metrics
 RUN_FILES = ("config.json", "metrics.jsonl", "summary.json")
 DPI = 110
 
-# accuracy metrics drawn, with their legend names and line styles
-ACC_METRICS = (("acc", "head", "-", "o"), ("proto_acc", "nearest prototype", "--", "s"))
+# accuracy metrics drawn, with their legend names and line styles (segmentation runs
+# record pixel accuracy as acc/proto_acc and add the mean IoU)
+ACC_METRICS = (("acc", "head", "-", "o"), ("proto_acc", "nearest prototype", "--", "s"),
+               ("miou", "head mIoU", "-.", "^"), ("proto_miou", "nearest prototype mIoU", ":",
+                                                  "v"))
+_SINGLE_RUN_COLOUR = {"proto_acc": "C1", "miou": "C2", "proto_miou": "C3"}
 
 
 class NotARunDir(ValueError):
@@ -48,6 +53,7 @@ class RunData:
     records: list[dict[str, Any]]
     embeddings: Path | None
     notes: list[str] = field(default_factory=list)
+    masks: Path | None = None  # masks.fbk of a segmentation run
 
     @property
     def algorithm(self) -> str | None:
@@ -94,6 +100,8 @@ def load_run(path: str | Path, label: str | None = None) -> RunData:
     records = _dedupe(read_metrics(p))
     emb = p / "embeddings.fbk"
     run = RunData(p, "", config, summary, records, emb if emb.is_file() else None, notes)
+    masks = p / "masks.fbk"
+    run.masks = masks if masks.is_file() else None
     run.label = label or default_label(run)
     return run
 
@@ -204,11 +212,10 @@ def plot_accuracy(runs: list[RunData], axis: str, path: Path, report: Report) ->
             sd = np.array([_num(r.get(f"{key}_std")) or 0.0 for r in pts])
             label = name if single else f"{run.label}: {name}"
             kw = {"marker": marker, "markersize": 4} if len(pts) <= 60 else {}
-            ax.plot(x, y, style, color=colour if not single or key == "acc" else "C1",
-                    label=label, linewidth=1.8, **kw)
+            c = colour if not single or key == "acc" else _SINGLE_RUN_COLOUR[key]
+            ax.plot(x, y, style, color=c, label=label, linewidth=1.8, **kw)
             ax.fill_between(x, np.clip(y - sd, 0, None), np.clip(y + sd, None, 1.0),
-                            color=colour if not single or key == "acc" else "C1",
-                            alpha=0.15, linewidth=0)
+                            color=c, alpha=0.15, linewidth=0)
             drawn += 1
     what = "round" if axis == "round" else "wall time"
     if not drawn:
@@ -530,6 +537,95 @@ def plot_tsne(run: RunData, path: Path, report: Report, *, max_points: int = 200
     _save(fig, path, report)
 
 
+# --- segmentation masks ----------------------------------------------------------------
+
+def class_palette(n: int = 256) -> np.ndarray:
+    """uint8 [n, 3]: Pascal VOC's colour map (class 0 black, 1 dark red, 2 dark green,
+    ...; the bit-interleaving rule of the VOC devkit), so a class keeps its colour in
+    every figure; index 255 (ignored pixels) is drawn white."""
+    pal = np.zeros((n, 3), np.uint8)
+    for i in range(n):
+        c, r, g, b = i, 0, 0, 0
+        for j in range(8):
+            r |= ((c >> 0) & 1) << (7 - j)
+            g |= ((c >> 1) & 1) << (7 - j)
+            b |= ((c >> 2) & 1) << (7 - j)
+            c >>= 3
+        pal[i] = (r, g, b)
+    if n > 255:
+        pal[255] = (255, 255, 255)
+    return pal
+
+
+def mask_rows(body: dict[str, Any], max_rows: int = 8
+              ) -> tuple[list[tuple[str, np.ndarray, np.ndarray, np.ndarray]], list[str]]:
+    """(client, image uint8 [H, W, 3], truth [H, W], prediction [H, W]) rows of a
+    masks.fbk body, clients in id order; malformed entries are left out with a note."""
+    rows, notes = [], []
+    clients = body.get("clients") or {}
+    for cid in sorted(clients, key=lambda c: (len(str(c)), str(c))):
+        e = clients[cid]
+        try:
+            img, truth, pred = (np.asarray(e[k]) for k in ("image", "truth", "pred"))
+        except (KeyError, TypeError):
+            notes.append(f"client {cid}: masks entry not understood, left out")
+            continue
+        if img.ndim != 4 or truth.shape != pred.shape or truth.shape != img.shape[:3]:
+            notes.append(f"client {cid}: mask shapes {img.shape}, {truth.shape}, "
+                         f"{pred.shape} do not match, left out")
+            continue
+        for i in range(len(img)):
+            rows.append((str(cid), img[i], truth[i], pred[i]))
+    if len(rows) > max_rows:
+        notes.append(f"{len(rows)} images, the first {max_rows} shown")
+        rows = rows[:max_rows]
+    return rows, notes
+
+
+def plot_masks(run: RunData, path: Path, report: Report) -> None:
+    """A grid of final test images, one a row: image | ground truth | prediction (the
+    model each algorithm scores, ClientHandler.masks), classes in class_palette's
+    colours; written for segmentation runs only (they leave masks.fbk)."""
+    if run.masks is None:
+        return
+    try:
+        body = load_embeddings(run.masks)  # the same wire-encoded map
+    except (OSError, ValueError, TypeError) as err:
+        report.skipped.append(f"{path.name}: {run.masks} unreadable ({err})")
+        return
+    rows, notes = mask_rows(body)
+    for note in notes:
+        report.notes.append(f"{path.name}: {run.label}: {note}")
+    if not rows:
+        report.skipped.append(f"{path.name}: {run.label}: masks.fbk holds no image")
+        return
+    pal = class_palette()
+    names = (run.config.get("data") or {}).get("dataset", "")
+    fig = _figure(7.2, 2.3 * len(rows) + 1.0)
+    axes = np.atleast_2d(fig.subplots(len(rows), 3))
+    for r, (cid, img, truth, pred) in enumerate(rows):
+        for c, (what, pic) in enumerate((("image", img), ("ground truth", pal[truth]),
+                                         ("prediction", pal[pred]))):
+            ax = axes[r, c]
+            ax.imshow(pic, interpolation="nearest")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if r == 0:
+                ax.set_title(what, fontsize=10)
+            if c == 0:
+                ax.set_ylabel(f"client {cid}", fontsize=9)
+    classes = sorted({int(v) for _, _, t, p in rows for v in np.unique(np.r_[t.ravel(),
+                                                                              p.ravel()])
+                      if v != 255})
+    from matplotlib.patches import Patch
+    fig.legend(handles=[Patch(color=pal[k] / 255.0, label=f"class {k}") for k in classes],
+               loc="outside lower center", ncol=min(len(classes), 7), fontsize=8,
+               frameon=False)
+    fig.suptitle(f"{run.label}: final predictions{f' ({names})' if names else ''}",
+                 fontsize=11)
+    _save(fig, path, report)
+
+
 # --- Michieli & Ozay's analysis: AMM, attention, FFD ----------------------------------
 
 def _agg_points(run: RunData, key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -724,6 +820,7 @@ def plot_runs(runs: list[RunData], out: Path, *, tsne: bool = True,
             names.add(suffix)
         plot_participation(run, out / f"participation{suffix}.png", report)
         plot_attention(run, out / f"attention{suffix}.png", report)
+        plot_masks(run, out / f"masks{suffix}.png", report)
         if tsne:
             plot_tsne(run, out / f"tsne{suffix}.png", report, max_points=tsne_points)
     return report

@@ -7,6 +7,7 @@
     status.json       live state for progress displays (rewritten often)
     checkpoint.fbk    the server's state after the last aggregation (--resume)
     embeddings.fbk    final test embeddings + global prototypes (plots)
+    masks.fbk         segmentation: a few final test images, truth and predicted masks
     messages.bin/.jsonl  the message log (see fedbus.node.msglog)
     logs/             JSON-lines logs of every process
     tensorboard/      the metrics as TensorBoard scalars (log.tensorboard = true)
@@ -22,7 +23,9 @@ from typing import Any, Iterable
 
 SCALAR = (int, float, str, bool)
 ACC_KEYS = ("acc_mean", "acc_std", "acc_weighted", "proto_acc_mean", "proto_acc_std",
-            "proto_acc_weighted", "loss_mean")
+            "proto_acc_weighted", "loss_mean", "miou_mean", "miou_std", "miou_weighted",
+            "proto_miou_mean", "proto_miou_std", "proto_miou_weighted", "aux_acc_mean",
+            "aux_acc_std", "local_head_acc_mean", "global_head_acc_mean")
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -108,7 +111,7 @@ def summarise(records: list[dict[str, Any]], *, algorithm: str, totals: dict[str
     evaluated = [r for r in records if "acc_mean" in r or "proto_acc_mean" in r]
     final = {k: evaluated[-1][k] for k in ACC_KEYS if evaluated and k in evaluated[-1]}
     best: dict[str, Any] = {}
-    for key in ("acc", "proto_acc"):
+    for key in ("acc", "proto_acc", "miou", "proto_miou"):
         scored = [r for r in evaluated if f"{key}_mean" in r]
         if scored:
             top = max(scored, key=lambda r: r[f"{key}_mean"])

@@ -52,7 +52,9 @@ def build_handler(cfg: Config) -> ServerHandler:
 def build_engine(cfg: Config, run_id: str) -> Engine:
     data = federated_data(cfg)
     sizes = {i: len(data.parts[i].train) for i in range(cfg.federation.clients)}
-    return Engine(cfg, build_handler(cfg), run_id, train_sizes=sizes)
+    engine = Engine(cfg, build_handler(cfg), run_id, train_sizes=sizes)
+    engine.label_pixels = data.label_pixels
+    return engine
 
 
 def dispatch(engine: Engine, msg: Message, now: float) -> list[Out]:
@@ -77,7 +79,7 @@ def dispatch(engine: Engine, msg: Message, now: float) -> list[Out]:
                              num_classes=engine.handler.ctx.num_classes,
                              max_samples=engine.max_samples(client_index(msg.src)),
                              max_bytes=int(engine.cfg.bus.max_frame_mb) << 20,
-                             nbytes=msg.nbytes)
+                             nbytes=msg.nbytes, label_pixels=engine.label_pixels)
             except Rejected as err:
                 reason = str(err)
         if reason is not None:
@@ -264,6 +266,10 @@ class ServerNode:
             atomic_write(self.run.path / "embeddings.fbk",
                          encode_body({"clients": {str(k): v for k, v in embeddings.items()},
                                       **global_prototypes(e.handler.state_dict())}))
+        masks = getattr(e, "final_masks", None)
+        if masks:  # segmentation: the mask plot's images (fedbus.node.plots)
+            atomic_write(self.run.path / "masks.fbk",
+                         encode_body({"clients": {str(k): v for k, v in masks.items()}}))
         self.run.write_status(self._status(time.time()))
         if self.msglog is not None:
             self.msglog.close()

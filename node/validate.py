@@ -69,11 +69,14 @@ def _lookup(payload: Mapping[str, Any], path: tuple[str, ...]) -> Any:
 
 def check_update(body: Any, spec: Mapping[str, Any], *,
                  num_classes: int, max_samples: int, max_bytes: int | None = None,
-                 nbytes: int = 0) -> None:
+                 nbytes: int = 0, label_pixels: int = 1) -> None:
     """Raise Rejected with the reason if an update body is not acceptable.
 
     max_bytes: the size cap (the bus's max_frame): the message (nbytes, header + body) and
     the arrays of its payload must both stay under it.
+    label_pixels: labelled units per sample, 1 for classification; H * W for segmentation
+    masks, whose per-class counts count pixels (at feature resolution, at most H * W a
+    sample): counts may then sum to max_samples * label_pixels per epoch asked.
     """
     if max_bytes is not None and nbytes > max_bytes:
         raise Rejected(f"update of {nbytes} bytes exceeds the {max_bytes}-byte cap")
@@ -118,9 +121,11 @@ def check_update(body: Any, spec: Mapping[str, Any], *,
             raise Rejected(f"counts must be integers, got {counts.dtype}")
         if counts.min() < 0:
             raise Rejected("counts must be non-negative")
-        if counts.sum() > max_samples * max(1, int(work["epochs_asked"]) or 1):
+        units = max(1, int(label_pixels))
+        if counts.sum() > max_samples * units * max(1, int(work["epochs_asked"]) or 1):
             raise Rejected(f"counts sum to {int(counts.sum())}, more than the client's "
-                           f"{max_samples} samples")
+                           f"{max_samples} samples" + (f" x {units} label pixels"
+                                                       if units > 1 else ""))
     classes = payload.get("classes")
     if isinstance(classes, np.ndarray) and classes.size:
         if classes.dtype.kind not in "iu" or classes.min() < 0 or classes.max() >= num_classes:

@@ -6,7 +6,9 @@
     d = fd.client(0)           # d.train_x float32 [n, 1, 8, 8], d.train_y int64 [n], ...
 
 The lower layers: load_dataset (datasets.py), make_partition / save_partition /
-load_partition (partition.py), the generators (synthetic.py, mnist1d.py). See docs/DATA.md.
+load_partition (partition.py), the generators (synthetic.py, mnist1d.py), the segmentation
+sets shapes-seg and voc2012 (segmentation.py: masks as labels, d.train_y int64 [n, H, W]).
+See docs/DATA.md.
 This package imports nothing else of fedbus.
 """
 from .datasets import DATASETS, Dataset, DatasetUnavailable, load_dataset

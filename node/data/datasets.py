@@ -42,6 +42,14 @@ Names (``DATASETS``):
                      data_dir (Pillow); [3, 32, 32]; ``groups`` = the domains. Params
                      image_size, domain_samples.
                      (All three: see fedbus.node.data.domains; partition "domains".)
+    shapes-seg       semantic segmentation, generated offline: RGB shapes with class textures
+                     on smooth backgrounds, [3, 64, 64], 6 classes (0 = background); masks in
+                     ``Dataset.masks``, ``y`` = each image's dominant object class. Params
+                     num_images (0 = 2000), image_size (0 = 64).
+    voc2012          Pascal VOC 2012 segmentation from data_dir/VOCdevkit/VOC2012 (Pillow),
+                     train + val pooled, [3, 128, 128], 21 classes, 255 = ignore. Params
+                     image_size (0 = 128), num_images (0 = all).
+                     (Both: see fedbus.node.data.segmentation and docs/DATA.md.)
 """
 from __future__ import annotations
 
@@ -65,7 +73,7 @@ TORCHVISION = {
     "cifar100": ("CIFAR100", {}, 100),
 }
 DATASETS = ("digits", "npz:PATH", *TORCHVISION, "synthetic", "mnist1d", "digit5-offline:PATH",
-            "digit5", "office10")
+            "digit5", "office10", "shapes-seg", "voc2012")
 DEFAULT_DATA_DIR = "~/.cache/fedbus"
 
 
@@ -83,6 +91,9 @@ class Dataset:
     num_classes: number of classes (labels may not all occur)
     groups: a natural partition (FedProx synthetic: one index array per user), else None
     meta: how it was made (normalisation mean/std, source, generator params)
+    masks: segmentation sets only: uint8 [N, H, W] class ids per pixel (H, W = x's), with
+        meta["ignore_index"] (255) marking pixels that count nowhere; y is then one label per
+        image (its dominant object class) for the partitioners. None for classification.
     """
 
     name: str
@@ -91,6 +102,7 @@ class Dataset:
     num_classes: int
     groups: list[np.ndarray] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    masks: np.ndarray | None = None
 
     @property
     def in_shape(self) -> tuple[int, ...]:
@@ -107,6 +119,17 @@ class Dataset:
             raise ValueError(f"{self.name}: y must be int64 [N] with N = len(x)")
         if len(self.y) and (self.y.min() < 0 or self.y.max() >= self.num_classes):
             raise ValueError(f"{self.name}: labels must lie in 0..{self.num_classes - 1}")
+        if self.masks is not None:
+            m = self.masks
+            if (m.dtype != np.uint8 or m.ndim != 3 or len(m) != len(self.x)
+                    or (self.x.ndim == 4 and m.shape[1:] != self.x.shape[2:])):
+                raise ValueError(f"{self.name}: masks must be uint8 [N, H, W] matching x "
+                                 f"{list(self.x.shape)}, got {m.dtype} {list(m.shape)}")
+            ignore = int(self.meta.get("ignore_index", 255))
+            bad = (m >= self.num_classes) & (m != ignore)
+            if bad.any():
+                raise ValueError(f"{self.name}: mask values must lie in "
+                                 f"0..{self.num_classes - 1} or be {ignore} (ignore)")
 
 
 def data_dir_path(data_dir: str | os.PathLike | None) -> Path:
@@ -314,7 +337,9 @@ _PARAMS = {"synthetic": {"synthetic_alpha", "synthetic_beta", "synthetic_iid"},
            "mnist1d": {"num_samples"},
            "digit5-offline": {"domain_samples"},
            "digit5": {"image_size", "domain_samples"},
-           "office10": {"image_size", "domain_samples"}}
+           "office10": {"image_size", "domain_samples"},
+           "shapes-seg": {"num_images", "image_size"},
+           "voc2012": {"num_images", "image_size"}}
 _CACHE: dict[tuple, Dataset] = {}
 _LOCK = threading.Lock()
 
@@ -326,7 +351,7 @@ def load_dataset(name: str, *, data_dir: str | None = None, seed: int = 0,
     data_dir: download/cache folder of the torchvision datasets, the folder holding the
         digit5 / office10 files, and a second place to look for a relative npz path (None or
         "" = ~/.cache/fedbus).
-    seed: seeds the generated datasets (synthetic, mnist1d); the others ignore it (the
+    seed: seeds the generated datasets (synthetic, mnist1d, shapes-seg); the others ignore it (the
         multi-domain sets are built with a fixed seed: fedbus.node.data.domains).
     Unknown name -> ValueError listing the valid names; a dataset that cannot be had here ->
     DatasetUnavailable (a RuntimeError) naming ``npz:PATH`` and ``--data-dir``.
@@ -343,14 +368,14 @@ def load_dataset(name: str, *, data_dir: str | None = None, seed: int = 0,
     else:
         base = name.lower()
     if base not in ("digits", "npz", "synthetic", "mnist1d", "digit5-offline", "digit5",
-                    "office10", *TORCHVISION):
+                    "office10", "shapes-seg", "voc2012", *TORCHVISION):
         raise ValueError(f"unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")
     extra = set(params) - _PARAMS.get(base, set())
     if extra:
         raise ValueError(f"dataset {name!r} takes no parameter(s) {', '.join(sorted(extra))}"
                          + (f"; it takes {', '.join(sorted(_PARAMS[base]))}"
                             if base in _PARAMS else ""))
-    seeded = base in ("synthetic", "mnist1d")
+    seeded = base in ("synthetic", "mnist1d", "shapes-seg")
     key = (name, str(data_dir or ""), seed if seeded else None, tuple(sorted(params.items())))
     with _LOCK:
         if key in _CACHE:
@@ -363,6 +388,14 @@ def load_dataset(name: str, *, data_dir: str | None = None, seed: int = 0,
         ds = _load_synthetic(int(seed), **params)
     elif base == "mnist1d":
         ds = _load_mnist1d(int(seed), **params)
+    elif base == "shapes-seg":
+        from .segmentation import load_shapes
+
+        ds = load_shapes(int(seed), **params)
+    elif base == "voc2012":
+        from .segmentation import load_voc2012
+
+        ds = load_voc2012(data_dir, **params)
     elif base in ("digit5-offline", "digit5", "office10"):
         from . import domains
 

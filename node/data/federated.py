@@ -3,6 +3,12 @@
     fd = FederatedData(cfg.data, num_clients=cfg.federation.clients, seed=cfg.federation.seed)
     d = fd.client(3)       # ClientData: train_x, train_y, test_x, test_y, num_classes, in_shape
 
+Segmentation sets (shapes-seg, voc2012: a Dataset with ``masks``) are partitioned by their
+per-image label (the dominant object class) and hand out the masks as labels: train_y/test_y
+int64 [n, H, W], ignored pixels as -100 (torch's cross-entropy ignore_index). Their sample
+count comes from the [data] key domain_samples (shapes-seg: images generated, 0 = 2000;
+voc2012: at most this many images, 0 = all) and their side from image_size.
+
 The dataset is loaded once and partitioned once per process (both cached), deterministically
 from (the [data] table, num_clients, seed): every process that builds the same FederatedData
 sees the same split.
@@ -18,6 +24,7 @@ import numpy as np
 
 from .datasets import Dataset, load_dataset
 from .partition import PARAMS, ClientSplit, make_partition, pool_test_splits
+from .segmentation import CLIENT_IGNORE
 
 #: the [data] table: every key and its default
 DATA_DEFAULTS: dict[str, Any] = {
@@ -45,7 +52,8 @@ DATA_DEFAULTS: dict[str, Any] = {
 class ClientData:
     """One client's arrays (copies; safe to keep or modify).
 
-    train_x/test_x: float32 [n, *in_shape]; train_y/test_y: int64 [n];
+    train_x/test_x: float32 [n, *in_shape]; train_y/test_y: int64 [n], or for a
+    segmentation set the masks int64 [n, H, W] (ignored pixels -100);
     num_classes: classes of the whole dataset (the head's width); in_shape: one sample's shape.
     """
 
@@ -78,6 +86,9 @@ def dataset_from_config(cfg: Mapping[str, Any], seed: int) -> Dataset:
     elif base in ("digit5", "office10"):
         params = {"image_size": int(cfg["image_size"]),
                   "domain_samples": int(cfg["domain_samples"])}
+    elif base in ("shapes-seg", "voc2012"):
+        params = {"image_size": int(cfg["image_size"]),
+                  "num_images": int(cfg["domain_samples"])}
     elif base.split(":", 1)[0] == "digit5-offline":
         params = {"domain_samples": int(cfg["domain_samples"])}
     return load_dataset(name, data_dir=cfg["data_dir"] or None, seed=int(seed), **params)
@@ -133,17 +144,39 @@ class FederatedData:
         self.num_classes = self.dataset.num_classes
         self.in_shape = self.dataset.in_shape
 
+    @property
+    def label_shape(self) -> tuple[int, ...]:
+        """One sample's label shape: () for classification, (H, W) for segmentation."""
+        m = self.dataset.masks
+        return () if m is None else tuple(int(v) for v in m.shape[1:])
+
+    @property
+    def label_pixels(self) -> int:
+        """Labelled units per sample: 1, or H * W pixels for segmentation (the bound on
+        how many a client's per-class counts can add up to, per sample)."""
+        return int(np.prod(self.label_shape, dtype=np.int64)) if self.label_shape else 1
+
+    def labels(self, idx: np.ndarray) -> np.ndarray:
+        """int64 labels of samples ``idx``: ``y`` [n], or the masks [n, H, W] of a
+        segmentation set with the ignore index (meta["ignore_index"]) turned into -100."""
+        ds = self.dataset
+        if ds.masks is None:
+            return ds.y[idx]
+        m = ds.masks[idx]
+        ignore = int(ds.meta.get("ignore_index", 255))
+        return np.where(m == ignore, CLIENT_IGNORE, m.astype(np.int64))
+
     def client(self, i: int) -> ClientData:
         """Client ``i``'s arrays (0 <= i < num_clients)."""
         if not 0 <= i < self.num_clients:
             raise IndexError(f"client {i} out of range 0..{self.num_clients - 1}")
         p, ds = self.parts[i], self.dataset
-        return ClientData(ds.x[p.train], ds.y[p.train], ds.x[p.test], ds.y[p.test],
-                          self.num_classes, self.in_shape)
+        return ClientData(ds.x[p.train], self.labels(p.train), ds.x[p.test],
+                          self.labels(p.test), self.num_classes, self.in_shape)
 
     def class_counts(self, split: str = "train") -> np.ndarray:
         """int64 [num_clients, num_classes]: samples per class of each client's train (or
-        "test") set."""
+        "test") set (segmentation: images per dominant class)."""
         if split not in ("train", "test"):
             raise ValueError("split must be 'train' or 'test'")
         y = self.dataset.y
