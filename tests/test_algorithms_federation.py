@@ -65,6 +65,11 @@ def _straggler_config(algorithm: str) -> dict:
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_sync_partial_participation_with_a_folded_straggler(tmp_path, algorithm):
+    check_sync_with_a_folded_straggler(tmp_path, algorithm)
+
+
+def check_sync_with_a_folded_straggler(tmp_path, algorithm: str) -> dict:
+    """The sync run's checks; returns its summary."""
     run, summary = run_federation(tmp_path, _straggler_config(algorithm), timeout=240)
     recs = metrics(run)
     assert summary["algorithm"] == algorithm
@@ -84,6 +89,7 @@ def test_sync_partial_participation_with_a_folded_straggler(tmp_path, algorithm)
     final = summary["final"]
     assert ("proto_acc_mean" in final) == (algorithm in PROTO_METRIC), final
     assert _final_accuracy(summary) > 0.2  # chance is 0.1
+    return summary
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
