@@ -79,9 +79,12 @@ SCHEMA: dict[str, dict[str, Opt]] = {
                                "client sizes", min=0.0),
         "synthetic_alpha": Opt(0.5, "FedProx synthetic: model heterogeneity", min=0.0),
         "synthetic_beta": Opt(0.5, "FedProx synthetic: data heterogeneity", min=0.0),
-        "image_size": Opt(0, "digit5, office10: image side in pixels (0 = 32)", min=0),
+        "image_size": Opt(0, "digit5, office10: image side in pixels (0 = 32); shapes-seg "
+                          "(0 = 64), voc2012 (0 = 128)", min=0),
         "domain_samples": Opt(0, "digit5, office10, digit5-offline: at most this many samples "
-                              "per domain, a fixed random subset (0 = all)", min=0),
+                              "per domain, a fixed random subset (0 = all); shapes-seg: "
+                              "images generated (0 = 2000); voc2012: at most this many "
+                              "images", min=0),
     },
     "model": {
         "arch": Opt("cnn", "network for every client (see fedbus.models.ARCHS)"),
