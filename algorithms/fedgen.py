@@ -94,8 +94,8 @@ from torch import nn
 
 from fedbus.algorithms import Algorithm
 from fedbus.algorithms.base import (ClientUpdate, Failure, LocalRun, RoundInfo, ServerHandler,
-                                    head_metrics, to_tensor)
-from fedbus.algorithms.fedgh import head_module, header_weights, load_header
+                                    to_tensor)
+from fedbus.algorithms.fedgh import head_module, header_weights, load_header, score_both_heads
 from fedbus.algorithms.local import LocalClient, Params, opt, staleness_metrics
 
 
@@ -341,19 +341,7 @@ class FedGenClient(LocalClient):
         return {"head": head, "counts": self.counts.copy()}
 
     def evaluate(self, task: Mapping[str, Any]) -> dict[str, float]:
-        ctx = self.ctx
-        local = head_metrics(ctx.model, ctx.test_x, ctx.test_y)
-        module = head_module(ctx.model)
-        backup = {k: v.detach().clone() for k, v in module.state_dict().items()}
-        try:
-            load_header(module, task["head"])
-            glob = head_metrics(ctx.model, ctx.test_x, ctx.test_y)
-        finally:
-            module.load_state_dict(backup)
-        out = dict(glob if self.eval_global else local)
-        out.update(local_head_acc=local["acc"], local_head_loss=local["loss"],
-                   global_head_acc=glob["acc"], global_head_loss=glob["loss"])
-        return out
+        return score_both_heads(self.ctx, task["head"], self.eval_global)
 
 
 ALGORITHM = Algorithm("fedgen", FedGenServer, FedGenClient,

@@ -117,6 +117,24 @@ def load_header(module: nn.Module, weights: Mapping[str, Any]) -> None:
                             for k, v in state.items()})
 
 
+def score_both_heads(ctx, header: Mapping[str, Any], eval_global: bool) -> dict[str, float]:
+    """The client's model scored with its own header and with `header` swapped in (put
+    back after): "acc"/"loss" of the one `eval_global` picks, both as local_head_* and
+    global_head_*. FedGen's evaluation too."""
+    local = head_metrics(ctx.model, ctx.test_x, ctx.test_y)
+    module = head_module(ctx.model)
+    backup = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    try:
+        load_header(module, header)
+        glob = head_metrics(ctx.model, ctx.test_x, ctx.test_y)
+    finally:
+        module.load_state_dict(backup)
+    out = dict(glob if eval_global else local)
+    out.update(local_head_acc=local["acc"], local_head_loss=local["loss"],
+               global_head_acc=glob["acc"], global_head_loss=glob["loss"])
+    return out
+
+
 class FedGHServer(Params, ServerHandler):
     needs_same_head: ClassVar[bool] = True  # the header is shared across the group
     PARAMS: ClassVar[dict[str, Any]] = {
@@ -264,19 +282,7 @@ class FedGHClient(LocalClient):
         return out
 
     def evaluate(self, task: Mapping[str, Any]) -> dict[str, float]:
-        ctx = self.ctx
-        local = head_metrics(ctx.model, ctx.test_x, ctx.test_y)
-        module = head_module(ctx.model)
-        backup = {k: v.detach().clone() for k, v in module.state_dict().items()}
-        try:
-            load_header(module, task["head"])
-            glob = head_metrics(ctx.model, ctx.test_x, ctx.test_y)
-        finally:
-            module.load_state_dict(backup)
-        out = dict(glob if self.eval_global else local)
-        out.update(local_head_acc=local["acc"], local_head_loss=local["loss"],
-                   global_head_acc=glob["acc"], global_head_loss=glob["loss"])
-        return out
+        return score_both_heads(self.ctx, task["head"], self.eval_global)
 
 
 ALGORITHM = Algorithm("fedgh", FedGHServer, FedGHClient,
