@@ -57,7 +57,7 @@ from typing import Any
 import tomllib
 
 from fedbus.bench.common import mean_std as _mean_std
-from fedbus.bench.common import run_or_reuse
+from fedbus.bench.common import out_dir, run_or_reuse
 
 REPO = Path(__file__).resolve().parents[1]
 MNIST = REPO.parent / "shared" / "data" / "mnist-10k.npz"
@@ -284,12 +284,7 @@ def main_args(args: argparse.Namespace) -> int:
         return 2
     group = [g.strip() for g in args.group.split(",") if g.strip()]
     hetero_algos = [a for a in algorithms if allows_model_group(a)] if args.hetero else []
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-    else:
-        import tempfile
-        out = Path(tempfile.mkdtemp(prefix="fedbus-accuracy-"))
+    out = out_dir(args.out, "accuracy")
     seeds = list(range(args.seeds))
     plan = ([(a, s, None) for a in (algorithms if args.homo else []) for s in seeds]
             + [(a, s, group) for a in hetero_algos for s in seeds])

@@ -23,6 +23,16 @@ def _toml(v: Any) -> str:
     return repr(v)
 
 
+def out_dir(out: str | None, name: str) -> Path:
+    """A benchmark's folder for its run directories: --out (made if missing), or a fresh
+    temporary folder fedbus-NAME-*."""
+    if out:
+        path = Path(out)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    return Path(tempfile.mkdtemp(prefix=f"fedbus-{name}-"))
+
+
 def write_toml(path: Path, sections: dict[str, dict[str, Any]]) -> Path:
     lines = []
     for name, table in sections.items():

@@ -26,10 +26,9 @@ import argparse
 import json
 import math
 import sys
-from pathlib import Path
 from typing import Any
 
-from fedbus.bench.common import mean_std, run_or_reuse
+from fedbus.bench.common import mean_std, out_dir, run_or_reuse
 
 ALGORITHMS = ["fedavg", "proto-attention"]
 LABELS = {"fedavg": "FedAvg", "proto-attention": "Proto-attention", "fedproto": "FedProto",
@@ -108,12 +107,7 @@ def main_args(args: argparse.Namespace) -> int:
         print("fedbus bench segmentation: need --seeds, --rounds, --clients >= 1 and "
               "--images >= --clients", file=sys.stderr)
         return 2
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-    else:
-        import tempfile
-        out = Path(tempfile.mkdtemp(prefix="fedbus-segmentation-"))
+    out = out_dir(args.out, "segmentation")
     seeds = list(range(args.seeds))
     print(f"fedbus bench segmentation: shapes-seg ({args.images} images, {args.image_size} px), "
           f"{args.arch}, {args.clients} clients, dirichlet alpha {args.alpha:g}, "
