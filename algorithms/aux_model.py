@@ -34,17 +34,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedbus.algorithms.base import (
-    ClientUpdate,
-    Failure,
-    RoundInfo,
-    ServerHandler,
-    head_metrics,
-    model_weights,
-)
-from fedbus.algorithms.fedavg import swapped_weights
-from fedbus.algorithms.local import LocalClient, Params, opt, staleness_metrics
-from fedbus.algorithms.weights import average_deltas, fedavg_coefs, weights_spec
+from fedbus.algorithms.base import RoundInfo, ServerHandler, head_metrics, model_weights
+from fedbus.algorithms.fedavg import FedAvgServer, swapped_weights
+from fedbus.algorithms.local import LocalClient, opt
+from fedbus.algorithms.weights import weights_spec
 
 SHARED_ARCH = opt("smallest", "the auxiliary (shared) model: smallest = the federation's "
                   "architecture with the fewest trainable parameters (FedTGP's appendix), or "
@@ -113,42 +106,29 @@ def kl_div(log_p: torch.Tensor, log_q_target: torch.Tensor, reduction: str) -> t
     return kl
 
 
-class AuxServer(Params, ServerHandler):
-    """Holds the global auxiliary model's weights; w <- w + sum_k c_k delta_k / sum_k c_k,
-    c_k = staleness weight x training-set size (FedAvg over the auxiliary model only)."""
+class AuxServer(FedAvgServer):
+    """FedAvg over the auxiliary model only: the global auxiliary weights, w <- w + sum_k
+    c_k delta_k / sum_k c_k, c_k = staleness weight x training-set size (FedAvgServer's
+    rule, task, spec and checkpoint). The clients' own networks may differ."""
 
     PARAMS: ClassVar[dict[str, Any]] = {}
+    needs_same_model: ClassVar[bool] = False
     algorithm: ClassVar[str] = "aux"
 
     def __init__(self, ctx):
-        super().__init__(ctx)
+        # Not FedAvgServer.__init__: its weights would be client 0's network.
+        ServerHandler.__init__(self, ctx)
         self.arch, model = build_aux(ctx, self.param("shared_arch"), self.algorithm)
         self.weights: dict[str, np.ndarray] = model_weights(model)
-        self._spec = weights_spec(self.weights)
+        self._weights_spec = weights_spec(self.weights)
 
-    def make_task(self, client: int, info: RoundInfo) -> dict[str, Any]:
-        # aggregate() builds new arrays, so a task already handed out stays what it was
-        return {"weights": self.weights}
+    def make_eval(self, client: int, info: RoundInfo) -> dict[str, Any]:
+        return self.make_task(client, info)  # FedKD's task is its compressed downlink
 
-    def aggregate(self, updates: list[ClientUpdate], failures: list[Failure],
-                  info: RoundInfo) -> dict[str, float]:
-        metrics = staleness_metrics(updates, failures)
-        if updates:
-            self.weights = average_deltas(self.weights, [u.payload["delta"] for u in updates],
-                                          fedavg_coefs(updates))
-        return metrics
-
-    def update_spec(self) -> dict[str, Any]:
-        return {"delta": dict(self._spec)}
-
-    # The global model FFD would read is the clients' own architecture; the auxiliary
-    # model is another network, so global_weights() stays None.
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"weights": {k: v.copy() for k, v in self.weights.items()}}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.weights = {k: np.array(v, copy=True) for k, v in state["weights"].items()}
+    def global_weights(self) -> None:
+        """None: the global model FFD would read is the clients' own architecture, and the
+        auxiliary model is another network."""
+        return None
 
 
 class AuxClient(LocalClient):

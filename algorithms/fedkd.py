@@ -243,7 +243,7 @@ class FedKDServer(AuxServer):
     def __init__(self, ctx):
         super().__init__(ctx)
         self.compress = bool(self.param("compress"))
-        self.names = frozenset(k for k, (dtype, shape) in self._spec.items()
+        self.names = frozenset(k for k, (dtype, shape) in self._weights_spec.items()
                                if is_compressible(dtype, shape))
         self._down: tuple[float, dict[str, Any]] | None = None  # (energy, compressed weights)
 
@@ -271,13 +271,13 @@ class FedKDServer(AuxServer):
         full = sum(int(v.size) for v in self.weights.values())
         for u in updates:
             try:
-                deltas.append(expand_weights(u.payload["delta"], self._spec))
+                deltas.append(expand_weights(u.payload["delta"], self._weights_spec))
             except (ValueError, KeyError):
                 failures.append(Failure(u.client, "rejected"))
                 continue
             kept.append(u)
             ratios.append(sent_numbers(u.payload["delta"]) / max(1, full))
-            ranks += [np.asarray(v["s"]).shape[0] / min(matrix_shape(self._spec[k][1]))
+            ranks += [np.asarray(v["s"]).shape[0] / min(matrix_shape(self._weights_spec[k][1]))
                       for k, v in u.payload["delta"].items() if isinstance(v, Mapping)]
         metrics = staleness_metrics(kept, failures)
         metrics["energy"] = self.energy(info)
@@ -291,9 +291,9 @@ class FedKDServer(AuxServer):
 
     def update_spec(self) -> dict[str, Any]:
         if not self.compress:
-            return {"delta": dict(self._spec)}
+            return {"delta": dict(self._weights_spec)}
         spec: dict[str, Any] = {}
-        for k, (dtype, shape) in self._spec.items():
+        for k, (dtype, shape) in self._weights_spec.items():
             if k in self.names:
                 m, n = matrix_shape(shape)
                 spec[k] = {"u": ("float32", (m, None)), "s": ("float32", (None,)),

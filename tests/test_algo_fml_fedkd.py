@@ -313,7 +313,7 @@ def test_fedkd_server_reconstructs_and_aggregates_by_hand():
     # downlink: rank 2 of a 2 x 2 weight would be 2 (2 + 2 + 1) = 10 numbers > 4: sent raw
     task = server.make_task(0, RoundInfo(1, 3))
     assert isinstance(task["weights"]["fc.weight"], np.ndarray)
-    np.testing.assert_allclose(expand_weights(task["weights"], server._spec)["fc.weight"],
+    np.testing.assert_allclose(expand_weights(task["weights"], server._weights_spec)["fc.weight"],
                                [[1.8, 0], [0, 3.4]], atol=1e-6)
 
 
@@ -393,8 +393,8 @@ def test_empty_aggregation_keeps_state_and_state_dict_round_trip(name):
         np.testing.assert_array_equal(fresh.weights[k], server.weights[k])
     info = RoundInfo(1, 3)
     t1, t2 = server.make_task(0, info), fresh.make_task(0, info)
-    np.testing.assert_array_equal(expand_weights(t1["weights"], server._spec)["fc.weight"],
-                                  expand_weights(t2["weights"], fresh._spec)["fc.weight"])
+    np.testing.assert_array_equal(expand_weights(t1["weights"], server._weights_spec)["fc.weight"],
+                                  expand_weights(t2["weights"], fresh._weights_spec)["fc.weight"])
 
 
 # --- clients: real local training ------------------------------------------------------------------
@@ -413,7 +413,7 @@ def test_client_trains_both_models_and_update_matches_spec(name, parts):
     assert run.work.steps == run.steps_per_epoch() and math.isfinite(client.last_loss)
     # the private model trained, and the shared one moved away from the task's weights
     assert any(not np.array_equal(v, model_weights(client.ctx.model)[k]) for k, v in own.items())
-    delta = expand_weights(payload["delta"], server._spec)
+    delta = expand_weights(payload["delta"], server._weights_spec)
     assert max(float(np.abs(v).max()) for v in delta.values()) > 1e-4
     metrics = server.aggregate([update(0, payload, len(client.ctx.train_y))], [],
                                RoundInfo(0, 3))
@@ -436,7 +436,7 @@ def test_fedkd_client_compresses_at_the_tasks_energy(parts):
         task = dict(server.make_task(0, RoundInfo(0, 3)), energy=energy)
         payload = client.train(freeze(task), LocalRun(client.ctx, epochs=1, seed=7))
         ranks[energy] = payload["delta"]["body.0.weight"]["s"].shape[0]
-        s = np.linalg.svd(expand_weights(payload["delta"], server._spec)["body.0.weight"],
+        s = np.linalg.svd(expand_weights(payload["delta"], server._weights_spec)["body.0.weight"],
                           compute_uv=False)
         assert len(s) >= ranks[energy]
     assert ranks[0.5] < ranks[0.999]
@@ -476,7 +476,7 @@ def test_client_state_dict_round_trip(name, parts):
     # the restored client trains on exactly as the original does
     a = client.train(task, LocalRun(client.ctx, epochs=1, seed=3))
     b = other.train(task, LocalRun(other.ctx, epochs=1, seed=3))
-    ea, eb = expand_weights(a["delta"], server._spec), expand_weights(b["delta"], server._spec)
+    ea, eb = expand_weights(a["delta"], server._weights_spec), expand_weights(b["delta"], server._weights_spec)
     for k in ea:
         np.testing.assert_allclose(ea[k], eb[k], atol=1e-6)
 
