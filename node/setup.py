@@ -58,9 +58,9 @@ def check_models(cfg: Config, needs_same_model: bool, needs_same_head: bool = Fa
         raise ConfigError(f"algorithm.name = {cfg.algorithm.name!r} averages model weights, "
                           f"so every client needs one architecture; model.group gives "
                           f"{', '.join(names)}")
-    dims = {}
-    for i in range(min(cfg.federation.clients, len(cfg.model.group) or 1)):
-        dims[arch_for_client(cfg.model, i)] = make_model(cfg, i, data).feature_dim
+    models = {arch_for_client(cfg.model, i): make_model(cfg, i, data)
+              for i in range(min(cfg.federation.clients, len(cfg.model.group) or 1))}
+    dims = {arch: model.feature_dim for arch, model in models.items()}
     if len(set(dims.values())) > 1:
         raise ConfigError(f"model.group gives different feature dims {dims}; set "
                           "model.feature_dim so prototypes share one space")
@@ -68,11 +68,10 @@ def check_models(cfg: Config, needs_same_model: bool, needs_same_head: bool = Fa
         from fedbus.algorithms.split import head_names
 
         heads = {}
-        for i in range(min(cfg.federation.clients, len(cfg.model.group) or 1)):
-            model = make_model(cfg, i, data)
+        for arch, model in models.items():  # the networks built for the dims above
             state = model.state_dict()
-            heads[model.arch] = tuple((k.split(".", 1)[1], tuple(state[k].shape))
-                                      for k in head_names(model))
+            heads[arch] = tuple((k.split(".", 1)[1], tuple(state[k].shape))
+                                for k in head_names(model))
         if len(set(heads.values())) > 1:
             shapes = "; ".join(f"{a}: {', '.join(f'{k} {list(s)}' for k, s in h)}"
                                for a, h in heads.items())
