@@ -24,8 +24,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--name", default=None, help="node name, unique per broker "
                    "(default HOST-PID)")
+    p.add_argument("--memory-mb", type=float, default=None,
+                   help="memory budget for materialised clients in MiB (default: "
+                   "launch.node_memory_mb)")
     p.add_argument("--max-resident", type=int, default=None,
-                   help="clients kept materialised (default: launch.max_resident)")
+                   help="at most this many clients materialised (default: "
+                   "launch.max_resident; 0 = the memory budget alone decides)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: launch.threads; auto there means the "
+                   "cores divided by launch.nodes)")
     p.add_argument("--evict-to", choices=["memory", "disk"], default=None)
     p.add_argument("--spool-dir", default=None, help="folder for clients evicted to disk")
     p.add_argument("--heartbeat-s", type=float, default=1.0)
@@ -79,7 +86,8 @@ def main(args: argparse.Namespace) -> int:
     from fedbus.node.client_host import ClientNode
 
     node = ClientNode(args.broker, clients, name=name, device=device,
-                      max_resident=args.max_resident, evict_to=args.evict_to,
+                      max_resident=args.max_resident, memory_mb=args.memory_mb,
+                      threads=args.threads, evict_to=args.evict_to,
                       heartbeat_s=args.heartbeat_s, liveness=args.liveness,
                       spool_dir=args.spool_dir, log_dir=args.message_log_dir, curve=curve)
     return node.serve()

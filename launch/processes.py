@@ -61,8 +61,10 @@ def preload(cfg) -> None:
     import fedbus.node.server  # noqa: F401
     from fedbus.node.setup import federated_data
 
+    from fedbus.node.client_host import node_threads
+
     federated_data(cfg)
-    torch.set_num_threads(cfg.launch.threads)  # also what the nodes use; no pool starts here
+    torch.set_num_threads(node_threads(cfg))  # also what the nodes use; no pool starts here
 
 
 class Process(Protocol):

@@ -3,24 +3,24 @@
 The node registers the client addresses it hosts, waits for the server's
 config, and then answers tasks and eval requests one at a time, in arrival
 order. Each client's handler (model, optimizer, extra state) is built on
-first use and kept in an LRU of `max_resident`; the rest are evicted to CPU
-memory or to disk and restored when their next task comes, so a 2-core
-machine can host a thousand small clients.
+first use over the node's shared data and stored networks, and kept while the
+materialised clients fit `launch.node_memory_mb`; the rest are evicted, packed,
+to memory or disk and restored when their next task comes (fedbus.node.pool),
+so a 2-core machine can host ten thousand small clients.
 """
 from __future__ import annotations
 
+import copy
 import heapq
 import itertools
 import os
 import time
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from fedbus.algorithms import get_algorithm
-from fedbus.algorithms.base import ClientContext, ClientHandler, LocalRun
+from fedbus.algorithms.base import ClientHandler, LocalRun
 from fedbus.broker.log import get_logger
 from fedbus.broker.peer import Peer
 from fedbus.broker.wire import Message
@@ -29,85 +29,17 @@ from fedbus.node.engine import SERVER, client_address, client_index
 from fedbus.node.msglog import MessageLogWriter
 from fedbus.node.privacy import protect
 from fedbus.node.validate import non_finite
-from fedbus.node.setup import arch_builder, distinct_archs, federated_data, make_model
+from fedbus.node.pool import ClientPool
+
+__all__ = ["ClientNode", "ClientPool", "node_threads", "run_task"]
 
 log = get_logger("fedbus.node")
-
-
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_to_cpu(v) for v in obj]
-    return obj
-
-
-class ClientPool:
-    """Materialises client handlers lazily and keeps at most `max_resident`."""
-
-    def __init__(self, cfg: Config, device: torch.device, *, max_resident: int = 64,
-                 evict_to: str = "memory", spool: Path | None = None):
-        self.cfg = cfg
-        self.device = device
-        self.algo = get_algorithm(cfg.algorithm.name)
-        self.data = federated_data(cfg)
-        self.max_resident = max_resident
-        self.evict_to = evict_to
-        self.spool = spool
-        self.resident: OrderedDict[int, ClientHandler] = OrderedDict()
-        self.evicted: dict[int, Any] = {}  # client -> state (memory) or a file path (disk)
-
-    def get(self, client: int) -> ClientHandler:
-        handler = self.resident.get(client)
-        if handler is not None:
-            self.resident.move_to_end(client)
-            return handler
-        handler = self.build(client)
-        if client in self.evicted:
-            handler.load_state_dict(self._restore(self.evicted.pop(client)))
-        self.resident[client] = handler
-        while len(self.resident) > self.max_resident:
-            old, old_handler = self.resident.popitem(last=False)
-            self.evicted[old] = self._stash(old, old_handler.state_dict())
-        return handler
-
-    def build(self, client: int) -> ClientHandler:
-        cfg, dev = self.cfg, self.device
-        part = self.data.client(client)
-        model = make_model(cfg, client, self.data).to(dev)
-        tensor = lambda a, dt: torch.as_tensor(a, dtype=dt).to(dev)  # noqa: E731
-        ctx = ClientContext(client=client, model=model, device=dev,
-                            train_x=tensor(part.train_x, torch.float32),
-                            train_y=tensor(part.train_y, torch.int64),
-                            test_x=tensor(part.test_x, torch.float32),
-                            test_y=tensor(part.test_y, torch.int64),
-                            num_classes=self.data.num_classes, feature_dim=model.feature_dim,
-                            params=dict(cfg.algorithm), train=dict(cfg.train),
-                            seed=cfg.federation.seed, extra={"privacy": dict(cfg.privacy)},
-                            archs=distinct_archs(cfg), build_arch=arch_builder(cfg, self.data))
-        return self.algo.client(ctx)
-
-    def _stash(self, client: int, state: dict[str, Any]) -> Any:
-        state = _to_cpu(state)
-        if self.evict_to == "disk" and self.spool is not None:
-            path = self.spool / f"client-{client}.pt"
-            torch.save(state, path)
-            return path
-        return state
-
-    def _restore(self, stashed: Any) -> dict[str, Any]:
-        if isinstance(stashed, Path):
-            state = torch.load(stashed, map_location="cpu", weights_only=True)
-            stashed.unlink(missing_ok=True)
-            return state
-        return stashed
 
 
 class ClientNode:
     def __init__(self, broker: str, clients: list[int], *, name: str, device: str = "cpu",
                  cfg: Config | None = None, max_resident: int | None = None,
+                 memory_mb: float | None = None, threads: int | None = None,
                  evict_to: str | None = None, heartbeat_s: float = 1.0, liveness: int = 3,
                  spool_dir: str | Path | None = None, log_dir: str | Path | None = None,
                  curve=None):
@@ -119,6 +51,8 @@ class ClientNode:
         self.cfg = cfg
         self.run_id = ""
         self.max_resident = max_resident
+        self.memory_mb = memory_mb
+        self.threads = threads
         self.evict_to = evict_to
         self.heartbeat_s, self.liveness = heartbeat_s, liveness
         self.spool_dir = Path(spool_dir) if spool_dir else None
@@ -138,23 +72,26 @@ class ClientNode:
 
     def _build(self, run_id: str, cfg: Config) -> None:
         self.cfg, self.run_id = cfg, run_id
-        torch.set_num_threads(cfg.launch.threads)
+        threads = self.threads or node_threads(cfg)
+        torch.set_num_threads(threads)
         spool = None
         evict_to = self.evict_to or cfg.launch.evict_to
         if evict_to == "disk":
             spool = self.spool_dir or Path(os.environ.get("TMPDIR", "/tmp")) / f"fedbus-{self.name}"
             spool.mkdir(parents=True, exist_ok=True)
-        self.pool = ClientPool(cfg, self.device,
-                               max_resident=self.max_resident or cfg.launch.max_resident,
-                               evict_to=evict_to, spool=spool)
-        # Warm up before reporting ready: the first model and optimizer import
-        # and initialise parts of torch, which takes seconds once per process.
-        for client in self.clients[:self.pool.max_resident]:
+        self.pool = ClientPool(cfg, self.device, clients=self.clients, memory_mb=self.memory_mb,
+                               max_resident=self.max_resident, evict_to=evict_to, spool=spool)
+        # Warm up before reporting ready: the first model and optimizer import and
+        # initialise parts of torch, which takes seconds once per process; clients are
+        # materialised while they fit, up to WARM_CLIENTS.
+        for client in self.clients[:WARM_CLIENTS]:
             self.pool.get(client)
+            if self.pool.evictions:
+                break
         if cfg.log.client_messages and self.log_dir is not None:
             self.msglog = MessageLogWriter(self.log_dir / f"messages-{self.name}")
         log.info("configured", run=run_id, algorithm=cfg.algorithm.name, device=str(self.device),
-                 clients=len(self.clients))
+                 clients=len(self.clients), threads=threads, **self.pool.stats())
 
     def serve(self) -> int:
         self.peer = peer = Peer(self.broker, self.name, role="client",
@@ -224,7 +161,9 @@ class ClientNode:
         due = started + took
         if due > time.monotonic():
             # a simulated slow device: its answer leaves when that device would be done,
-            # while this node serves its other clients
+            # while this node serves its other clients; its arrays are copied now, as the
+            # client's network may serve another client before then
+            update = copy.deepcopy(update)
             heapq.heappush(self.deferred, (due, next(self._order), msg, update))
         else:
             self._send("update", msg, update)
@@ -249,6 +188,22 @@ class ClientNode:
             if masks is not None:
                 result["masks"] = masks
         self._send("eval_result", msg, result)
+
+
+WARM_CLIENTS = 64
+
+
+def node_threads(cfg: Config) -> int:
+    """Torch threads for a node: launch.threads, or (0 = auto) the cores this process may
+    use shared among the launch.nodes node processes of a `fedbus run`, at least 1. A node
+    started by hand on its own machine is given --threads (or the config's value)."""
+    if cfg.launch.threads:
+        return int(cfg.launch.threads)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, int(cfg.launch.nodes)))
 
 
 def seed_torch(seed: int, device: torch.device) -> None:

@@ -132,10 +132,16 @@ SCHEMA: dict[str, dict[str, Opt]] = {
     "launch": {
         "nodes": Opt(2, "client-node processes for a local run", min=1),
         "devices": Opt(["auto"], "devices for nodes, round-robin: auto, cpu, cuda, cuda:N"),
-        "max_resident": Opt(64, "clients a node keeps materialised; the rest are evicted",
-                            min=1),
-        "evict_to": Opt("memory", "where evicted clients go", ("memory", "disk")),
-        "threads": Opt(1, "torch threads per node process", min=1),
+        "node_memory_mb": Opt(1024.0, "memory budget per node for materialised clients "
+                              "(their weights, gradients, optimizer and extra state, "
+                              "measured); the least recently used beyond it are evicted "
+                              "(fedbus.node.pool)", min=0.0),
+        "max_resident": Opt(0, "also keep at most this many clients materialised per node "
+                            "(0 = only the memory budget decides)", min=0),
+        "evict_to": Opt("memory", "where evicted clients go: their state packed into one "
+                        "buffer each, in memory or in a file", ("memory", "disk")),
+        "threads": Opt(0, "torch threads per node process (0 = auto: the cores shared among "
+                       "launch.nodes nodes, at least 1)", min=0),
         "start": Opt("auto", "how `fedbus run` starts its processes: fork them from a launcher "
                      "that loaded torch and the data once (auto: on Linux with no GPU node), "
                      "or exec a fresh interpreter each", ("auto", "fork", "exec")),

@@ -201,10 +201,10 @@ def _as_logged(handler: Any, body: dict[str, Any], logged: Message | None) -> di
 
 
 def replay_client(run_dir: str | Path, client: int, round_: int) -> ClientReplay:
-    from fedbus.node.client_host import ClientPool, run_task
+    from fedbus.node.client_host import ClientPool, node_threads, run_task
 
     cfg, _ = load_run(run_dir)
-    torch.set_num_threads(cfg.launch.threads)  # as the live node did
+    torch.set_num_threads(node_threads(cfg))  # as the live node did (on this machine)
     max_frame = max(int(cfg.bus.max_frame_mb) << 20, DEFAULT_MAX_FRAME)
     address = client_address(client)
     records = list(read_log(run_dir))
@@ -214,7 +214,7 @@ def replay_client(run_dir: str | Path, client: int, round_: int) -> ClientReplay
             m = _decode(rec, max_frame)
             if m.kind == "update" and m.src == address and isinstance(m.body, dict):
                 updates[m.body.get("task")] = m
-    pool = ClientPool(cfg, torch.device("cpu"), max_resident=1)
+    pool = ClientPool(cfg, torch.device("cpu"), clients=[client], max_resident=1)
     handler = pool.get(client)
     for rec in records:
         if rec.direction != "out":

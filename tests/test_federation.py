@@ -196,12 +196,12 @@ def test_bad_config_fails_fast_with_the_key_named(tmp_path):
 
 
 def test_evicting_clients_to_disk_does_not_change_the_results(tmp_path):
-    # FedProto clients keep local models between rounds: evicting them (one resident
-    # client per node) and restoring must give bit-identical prototypes.
+    # FedProto clients keep local models between rounds: evicting them (a memory budget
+    # that holds one client per node) and restoring must give bit-identical prototypes.
     base = merged(SMALL, algorithm={"name": "fedproto"}, federation={"rounds": 3})
     resident, _ = run_federation(tmp_path, base, name="resident")
     evicted, _ = run_federation(
-        tmp_path, merged(base, launch={"max_resident": 1, "evict_to": "disk"}), name="evicted")
+        tmp_path, merged(base, launch={"node_memory_mb": 0.01, "evict_to": "disk"}), name="evicted")
     a, b = _global_weights(resident), _global_weights(evicted)
     assert np.array_equal(a["protos"], b["protos"]) and a["protos"].any()
     assert [r["per_client"] for r in metrics(resident)] == \
