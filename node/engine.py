@@ -20,8 +20,10 @@ cannot fill a buffer alone (and buffer = clients reproduces sync FedAvg).
 """
 from __future__ import annotations
 
+import heapq
 import json
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,8 +57,48 @@ def staleness_weight(staleness: int) -> float:
 
 def task_seed(seed: int, client: int, version: int) -> int:
     """Seed of one local run: a function of (run seed, client, version) only, so
-    sync and async runs that hand a client the same version train identically."""
+    sync and async runs that hand a client the same version train identically.
+
+    It is ``np.random.SeedSequence([seed, client, version]).generate_state(1)[0]``,
+    computed here in plain integers when all three fit 32 bits (the server makes one per
+    task, and numpy's object costs twice as much); tests pin the two together."""
+    if 0 <= seed <= _M32 and 0 <= client <= _M32 and 0 <= version <= _M32:
+        return _seed_word((seed, client, version, 0))
     return int(np.random.SeedSequence([seed, client, version]).generate_state(1)[0])
+
+
+# numpy's SeedSequence (O'Neill's seed_seq), pool size 4, for four 32-bit entropy words:
+# the hash constant's sequence does not depend on the data, so its steps are tabulated.
+_M32 = 0xFFFFFFFF
+_MULT_A, _INIT_B, _MULT_B = 0x931E8875, 0x8B51F9DD, 0x58F38DED
+_MIX_L, _MIX_R = 0xCA01F9DD, 0x4973F715
+
+
+def _hash_steps(n: int) -> list[tuple[int, int]]:
+    steps, h = [], 0x43B0D7E5
+    for _ in range(n):
+        steps.append((h, (h * _MULT_A) & _M32))
+        h = (h * _MULT_A) & _M32
+    return steps
+
+
+_STEPS = _hash_steps(16)
+_MIX_STEPS = [(s, d, *_STEPS[4 + i]) for i, (s, d) in
+              enumerate((s, d) for s in range(4) for d in range(4) if s != d)]
+_OUT_MULT = (_INIT_B * _MULT_B) & _M32
+
+
+def _seed_word(entropy: tuple[int, int, int, int]) -> int:
+    pool = []
+    for v, (x, m) in zip(entropy, _STEPS):
+        v = ((v ^ x) * m) & _M32
+        pool.append(v ^ (v >> 16))
+    for s, d, x, m in _MIX_STEPS:
+        v = ((pool[s] ^ x) * m) & _M32
+        r = (_MIX_L * pool[d] - _MIX_R * (v ^ (v >> 16))) & _M32
+        pool[d] = r ^ (r >> 16)
+    v = ((pool[0] ^ _INIT_B) * _OUT_MULT) & _M32
+    return v ^ (v >> 16)
 
 
 @dataclass
@@ -92,6 +134,10 @@ class RoundState:
     bytes_down: int = 0
     params_up: int = 0
     params_down: int = 0
+    members: frozenset = frozenset()  # the sampled clients as a set: a per-update check
+
+    def __post_init__(self) -> None:
+        self.members = frozenset(self.sampled)
 
     def pending(self) -> list[int]:
         return [c for c in self.sampled if c not in self.updates and c not in self.failures]
@@ -144,6 +190,11 @@ class Engine:
         self.next_task_id = 1
         self.next_eval_id = 1
         self.tasks: dict[int, Task] = {}  # outstanding
+        # Indexes kept beside `tasks` so no message costs O(outstanding tasks): clients
+        # with an outstanding task (and how many), and the task deadlines as a heap whose
+        # entries are dropped lazily once their task is gone or its deadline changed.
+        self.busy: Counter[int] = Counter()
+        self.deadlines: list[tuple[float, int]] = []
         self.round: RoundState | None = None
         self.late: list[ClientUpdate] = []  # folded into the next aggregation
         self.buffer: list[ClientUpdate] = []  # async
@@ -234,28 +285,57 @@ class Engine:
         ids = self.nodes.pop(node, None)
         if ids is None:
             ids = [client_index(a) for a in clients if a.startswith("c") and a[1:].isdigit()]
-        for c in ids:
-            self.live.discard(c)
-            self._fail_client(c, "dead")
+        self.live.difference_update(ids)
+        self._fail_clients(set(ids), "dead")
         self.events.append({"event": "leave", "node": node, "clients": len(ids)})
         return self._progress(now)
 
     def _fail_client(self, client: int, reason: str) -> None:
-        for tid, task in list(self.tasks.items()):
-            if task.client == client:
-                del self.tasks[tid]
-                if self.round is not None and task.round == self.round.round:
-                    self.round.failures.setdefault(client, reason)
-                elif self.async_mode:
-                    self.window.failures.setdefault(client, reason)
+        self._fail_clients({client}, reason)
+
+    def _fail_clients(self, clients: set[int], reason: str) -> None:
+        if any(self.busy[c] for c in clients):
+            for tid, task in list(self.tasks.items()):
+                if task.client in clients:
+                    self._drop_task(tid)
+                    if self.round is not None and task.round == self.round.round:
+                        self.round.failures.setdefault(task.client, reason)
+                    elif self.async_mode:
+                        self.window.failures.setdefault(task.client, reason)
         for ev in self.evals.values():
-            ev.expected.discard(client)
+            ev.expected.difference_update(clients)
+
+    def _add_task(self, task: Task) -> None:
+        self.tasks[task.id] = task
+        self.busy[task.client] += 1
+        if task.deadline > 0:
+            heapq.heappush(self.deadlines, (task.deadline, task.id))
+
+    def _drop_task(self, tid: int) -> Task:
+        task = self.tasks.pop(tid)
+        left = self.busy[task.client] - 1
+        if left:
+            self.busy[task.client] = left
+        else:
+            del self.busy[task.client]
+        return task
+
+    def _earliest_task_deadline(self) -> float | None:
+        heap = self.deadlines
+        while heap:
+            deadline, tid = heap[0]
+            task = self.tasks.get(tid)
+            if task is not None and task.deadline == deadline:
+                return deadline
+            heapq.heappop(heap)  # answered, failed, or its deadline was lifted
+        return None
 
     # --- the flow ---
 
     def next_deadline(self) -> float | None:
         """The earliest time at which on_tick may change something."""
-        times = [t.deadline for t in self.tasks.values() if t.deadline > 0]
+        first = self._earliest_task_deadline()
+        times = [] if first is None else [first]
         if self.round is not None:
             if self.round.deadline > 0:
                 times.append(self.round.deadline)
@@ -273,10 +353,9 @@ class Engine:
             if now >= ev.deadline:
                 out += self._finish_eval(eid, now)
         if self.async_mode:
-            for tid, task in list(self.tasks.items()):
-                if task.deadline > 0 and now >= task.deadline:
-                    del self.tasks[tid]
-                    self.window.failures.setdefault(task.client, "late")
+            while (first := self._earliest_task_deadline()) is not None and now >= first:
+                task = self._drop_task(heapq.heappop(self.deadlines)[1])
+                self.window.failures.setdefault(task.client, "late")
             out += self._async_fill(now)
         elif self.round is not None:
             r = self.round
@@ -309,7 +388,7 @@ class Engine:
     def _task_body(self, client: int, round_: int, now: float, deadline: float) -> dict:
         tid = self.next_task_id
         self.next_task_id += 1
-        self.tasks[tid] = Task(tid, client, self.version, round_, now, deadline)
+        self._add_task(Task(tid, client, self.version, round_, now, deadline))
         info = RoundInfo(self.version, self.rounds)
         return {"task": tid, "version": self.version, "epochs": self.cfg.train.epochs,
                 "budget_s": self.cfg.train.budget_s,
@@ -351,7 +430,7 @@ class Engine:
     def on_update(self, src: str, body: dict[str, Any], nbytes: int, now: float) -> list[Out]:
         """An update arrived (already validated by the shell)."""
         client = client_index(src)
-        task = self.tasks.pop(int(body["task"]))
+        task = self._drop_task(int(body["task"]))
         upd = ClientUpdate(client=client, payload=body["payload"],
                            num_samples=int(body["num_samples"]),
                            work=Work.from_dict(body["work"]), version=task.version)
@@ -361,7 +440,7 @@ class Engine:
         if self.async_mode:
             return self._async_update(upd, nbytes, params, now)
         r = self.round
-        if r is not None and task.round == r.round and client in r.sampled:
+        if r is not None and task.round == r.round and client in r.members:
             r.updates[client] = upd
             r.bytes_up += nbytes
             r.params_up += params
@@ -385,7 +464,7 @@ class Engine:
         task = self.tasks.get(task_id) if isinstance(task_id, int) else None
         if task is None or client_address(task.client) != src:
             return []
-        del self.tasks[task_id]
+        self._drop_task(task_id)
         if self.round is not None and task.round == self.round.round:
             self.round.failures.setdefault(task.client, reason)
         elif self.async_mode:
@@ -430,7 +509,7 @@ class Engine:
             if task.round == r.round:
                 task.deadline = 0.0  # it may still arrive: then it is late
             elif self.version - task.version > self.fed.max_staleness:
-                del self.tasks[tid]  # too stale to ever count
+                self._drop_task(tid)  # too stale to ever count
         fresh = [self._weighted(r.updates[c]) for c in sorted(r.updates)]
         folded = [self._weighted(u) for u in self.late
                   if self.version - u.version <= self.fed.max_staleness]
@@ -483,9 +562,11 @@ class Engine:
         if self.version >= self.rounds:
             return []
         concurrency = self.fed.concurrency or self.fed.clients
-        busy = {t.client for t in self.tasks.values()}
-        idle = sorted(self.live - busy - self.buffered_clients)
+        busy = self.busy
         slots = concurrency - len(busy)
+        if slots <= 0:
+            return []
+        idle = sorted(c for c in self.live if c not in busy and c not in self.buffered_clients)
         out = []
         if slots > 0 and idle:
             deadline = now + self.fed.deadline_s if self.fed.deadline_s > 0 else \
@@ -528,8 +609,8 @@ class Engine:
     def _start_eval(self, record: dict[str, Any], now: float) -> list[Out]:
         # In sync mode a client still busy with a straggling task would hold the
         # next round back until it finished; it is evaluated another round.
-        busy = set() if self.async_mode else {t.client for t in self.tasks.values()}
-        targets = sorted(self.live - busy)
+        busy = () if self.async_mode else self.busy
+        targets = sorted(c for c in self.live if c not in busy)
         eid = self.next_eval_id
         self.next_eval_id += 1
         wait = self.fed.deadline_s * 2 if self.fed.deadline_s > 0 else self.fed.hard_deadline_s

@@ -8,6 +8,7 @@ rejected with the reason, counted, and never aggregated.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 import numpy as np
@@ -20,7 +21,7 @@ class Rejected(ValueError):
 def _check_number(name: str, value: Any, *, low: float = 0, high: float | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise Rejected(f"{name} must be a number, got {type(value).__name__}")
-    if not np.isfinite(value) or value < low or (high is not None and value > high):
+    if not math.isfinite(value) or value < low or (high is not None and value > high):
         raise Rejected(f"{name} = {value!r} is out of range")
 
 
@@ -28,7 +29,7 @@ def _walk(value: Any, path: str = "payload"):
     """(path, value) for every array and float in a payload."""
     if isinstance(value, (np.ndarray, float)):
         yield path, value
-    elif isinstance(value, Mapping):
+    elif isinstance(value, (dict, Mapping)):  # a dict is decided without the ABC check
         for k, v in value.items():
             yield from _walk(v, f"{path}.{k}")
     elif isinstance(value, (list, tuple)):
@@ -39,7 +40,7 @@ def _walk(value: Any, path: str = "payload"):
 def _finite(value: np.ndarray | float) -> bool:
     if isinstance(value, np.ndarray):
         return value.dtype.kind not in "fc" or bool(np.isfinite(value).all())
-    return bool(np.isfinite(value))
+    return math.isfinite(value)
 
 
 def non_finite(payload: Any) -> list[str]:
@@ -80,21 +81,21 @@ def check_update(body: Any, spec: Mapping[str, Any], *,
     """
     if max_bytes is not None and nbytes > max_bytes:
         raise Rejected(f"update of {nbytes} bytes exceeds the {max_bytes}-byte cap")
-    if not isinstance(body, Mapping):
+    if not isinstance(body, (dict, Mapping)):
         raise Rejected(f"update body must be a map, got {type(body).__name__}")
     for key in ("task", "version", "num_samples", "work", "payload"):
         if key not in body:
             raise Rejected(f"update lacks {key!r}")
     _check_number("num_samples", body["num_samples"], high=max_samples)
     work = body["work"]
-    if not isinstance(work, Mapping):
+    if not isinstance(work, (dict, Mapping)):
         raise Rejected("work must be a map")
     for key in ("epochs_asked", "epochs_done", "steps", "samples"):
         if key not in work:
             raise Rejected(f"work lacks {key!r}")
         _check_number(f"work.{key}", work[key])
     payload = body["payload"]
-    if not isinstance(payload, Mapping):
+    if not isinstance(payload, (dict, Mapping)):
         raise Rejected("payload must be a map")
     for path, dtype, shape in _flatten_spec(spec):
         name = "/".join(path)
