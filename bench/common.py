@@ -8,7 +8,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,50 @@ class Finished:
     peak_rss: int  # bytes, summed over the launcher and every process it started
     summary: dict[str, Any]
     records: list[dict[str, Any]]
+    # per process: the peak RSS of each (pid -> bytes) and the peak of the summed PSS (shared
+    # pages divided among the processes sharing them: forked processes share torch and the
+    # data, which a sum of RSS counts once per process)
+    peak_rss_by_pid: dict[int, int] = field(default_factory=dict)
+    peak_pss: int = 0
+
+
+class _Watch:
+    """Peak memory of a process tree, sampled every `every` seconds."""
+
+    def __init__(self, pid: int):
+        import psutil  # the dev extra's: imported by the benchmarks that watch memory
+
+        self.psutil = psutil
+        self.parent = psutil.Process(pid)
+        self.peak = self.peak_pss = 0
+        self.by_pid: dict[int, int] = {}
+        self._pss_at = 0.0
+
+    def sample(self) -> None:
+        psutil = self.psutil
+        try:
+            procs = [self.parent, *self.parent.children(recursive=True)]
+        except psutil.Error:
+            return
+        total = 0
+        for p in procs:
+            try:
+                rss = p.memory_info().rss
+            except psutil.Error:
+                continue
+            total += rss
+            self.by_pid[p.pid] = max(self.by_pid.get(p.pid, 0), rss)
+        self.peak = max(self.peak, total)
+        now = time.perf_counter()
+        if now - self._pss_at >= 1.0:  # reading smaps is slower: once a second
+            self._pss_at = now
+            pss = 0
+            for p in procs:
+                try:
+                    pss += p.memory_full_info().pss
+                except (psutil.Error, AttributeError):
+                    pass
+            self.peak_pss = max(self.peak_pss, pss)
 
 
 def run(sections: dict[str, dict[str, Any]], name: str, *, out: Path | None = None,
@@ -55,24 +99,13 @@ def run(sections: dict[str, dict[str, Any]], name: str, *, out: Path | None = No
     out = out or Path(tempfile.mkdtemp(prefix="fedbus-bench-"))
     cfg = write_toml(out / f"{name}.toml", sections)
     run_dir = out / name
-    import psutil  # the dev extra's: imported by the benchmarks that watch memory
 
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "fedbus.launch", "run", str(cfg), "--out",
                              str(run_dir), "--quiet", "--log-level", "warning"])
-    peak = 0
-    parent = psutil.Process(proc.pid)
+    watch = _Watch(proc.pid)
     while proc.poll() is None:
-        total = 0
-        try:
-            for p in [parent, *parent.children(recursive=True)]:
-                try:
-                    total += p.memory_info().rss
-                except psutil.Error:
-                    pass
-        except psutil.Error:
-            pass
-        peak = max(peak, total)
+        watch.sample()
         if time.perf_counter() - t0 > timeout:
             proc.kill()
             raise TimeoutError(f"{name}: no result after {timeout} s")
@@ -82,7 +115,7 @@ def run(sections: dict[str, dict[str, Any]], name: str, *, out: Path | None = No
         raise RuntimeError(f"{name}: fedbus run exited {proc.returncode}; see {run_dir}/logs")
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return Finished(run_dir, wall, peak, summary, records)
+    return Finished(run_dir, wall, watch.peak, summary, records, watch.by_pid, watch.peak_pss)
 
 
 def complete_summary(run_dir: Path, rounds: int) -> dict[str, Any] | None:
