@@ -151,6 +151,8 @@ SCHEMA: dict[str, dict[str, Opt]] = {
         "messages": Opt(True, "server writes the message log (needed by `fedbus replay`)"),
         "client_messages": Opt(False, "client nodes write their own message logs"),
         "embeddings": Opt(200, "test embeddings per client saved at the end for plots", min=0),
+        "embedding_clients": Opt(50, "clients asked for those embeddings, evenly spaced over "
+                                 "the evaluated ones (0 = every client)", min=0),
         "tensorboard": Opt(False, "server writes RUN/tensorboard/: scalars and participation "
                                   "per round (pip install 'fedbus[tensorboard]')"),
         "ffd_reference": Opt("", "run directory of a reference model (a `central` run; "

@@ -622,9 +622,11 @@ class Engine:
         self.evals[eid] = ev
         info = RoundInfo(self.version - 1, self.rounds)
         out = []
+        embed = set(embedding_clients(targets, self.cfg.log.embedding_clients)) if final \
+            else set()
         for i, c in enumerate(targets):
             body = {"eval": eid, "version": self.version,
-                    "embed": int(self.cfg.log.embeddings) if final else 0,
+                    "embed": int(self.cfg.log.embeddings) if c in embed else 0,
                     "payload": self.handler.make_eval(c, info)}
             if final and i < MASK_CLIENTS and self.label_pixels > 1:
                 body["masks"] = MASK_IMAGES
@@ -684,6 +686,15 @@ class Engine:
         self.next_eval_id = int(state["next_eval_id"])
         self.totals.update(state["totals"])
         self.handler.load_state_dict(state["handler"])
+
+
+def embedding_clients(targets: list[int], most: int) -> list[int]:
+    """The clients of a final evaluation asked for test embeddings (the t-SNE plot's):
+    all when `most` is 0 or they are no more, else `most` of them evenly spaced, so a
+    federation of thousands does not ship every client's embeddings to the server."""
+    if not most or len(targets) <= most:
+        return list(targets)
+    return [targets[(i * len(targets)) // most] for i in range(most)]
 
 
 # Client metrics summarised over clients: the head ("acc"), nearest prototype

@@ -121,7 +121,7 @@ class ModelStore:
                 p.grad = None
             model.train()
         else:
-            model = copy.deepcopy(template)
+            model = clone_module(template)
             self.built += 1
         return model
 
@@ -143,13 +143,32 @@ class ModelStore:
 
         def build_arch(arch: str) -> torch.nn.Module:
             if arch in cache:
-                return copy.deepcopy(cache[arch])
+                return clone_module(cache[arch])
             model = build(arch)
             # built under `with torch.device("meta")` to count parameters: no weights to keep
             if not any(t.is_meta for t in model.state_dict().values()):
-                cache[arch] = copy.deepcopy(model)
+                cache[arch] = clone_module(model)
             return model
         return build_arch
+
+
+def clone_module(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of a network with its own parameters and buffers (no gradients), ~5x faster
+    than copy.deepcopy: containers are copied one level, other attributes (shapes, names,
+    settings) shared, as nothing here keeps tensors outside parameters and buffers."""
+    cls = module.__class__
+    new = cls.__new__(cls)
+    state = {k: v.copy() if isinstance(v, (dict, list, set)) else v
+             for k, v in module.__dict__.items()}
+    state["_parameters"] = {
+        k: None if p is None else torch.nn.Parameter(p.detach().clone(), p.requires_grad)
+        for k, p in module._parameters.items()}
+    state["_buffers"] = {k: None if b is None else b.detach().clone()
+                         for k, b in module._buffers.items()}
+    state["_modules"] = {k: None if m is None else clone_module(m)
+                         for k, m in module._modules.items()}
+    new.__dict__ = state
+    return new
 
 
 # --------------------------------------------------------------------------- state
@@ -271,38 +290,56 @@ class ClientPool:
         self.evict_to = evict_to
         self.spool = spool
         self.resident: OrderedDict[int, ClientHandler] = OrderedDict()
-        self.cost: dict[int, int] = {}  # resident client -> bytes counted against the budget
-        self.used = 0
+        # What a materialised client holds, measured per architecture: first on a fresh
+        # handler, then again on the first one that has trained (optimizer buffers and
+        # gradients appear with the first step); measuring every client would cost a
+        # state_dict() each time.
+        self.arch_cost: dict[str, int] = {}
+        self.settled: set[str] = set()
+        self.arch_count: dict[str, int] = {}
         self.evicted: dict[int, Packed | Path] = {}
         self.evictions = self.restores = 0
         self._last = -1
+
+    @property
+    def used(self) -> int:
+        """Bytes the materialised clients hold (by the per-architecture measure)."""
+        return sum(n * self.arch_cost[a] for a, n in self.arch_count.items())
 
     def get(self, client: int) -> ClientHandler:
         handler = self.resident.get(client)
         if handler is not None:
             self.resident.move_to_end(client)
             return handler
-        self._remeasure_last()
+        self._settle(self._last)
         handler = self.build(client)
         stashed = self.evicted.pop(client, None)
         if stashed is not None:
             handler.load_state_dict(self._restore(stashed))
             self.restores += 1
+        arch = self._arch(client)
+        if arch not in self.arch_cost:
+            self.arch_cost[arch] = self._footprint(handler)
+        self.arch_count[arch] = self.arch_count.get(arch, 0) + 1
         self.resident[client] = handler
-        self.cost[client] = self._footprint(handler)
-        self.used += self.cost[client]
         self._last = client
         self._fit()
         return handler
 
-    def _remeasure_last(self) -> None:
-        """The last client materialised has trained since it was measured (optimizer
-        buffers and gradients appear with the first step): count what it holds now."""
-        last = self._last
-        if last in self.resident:
-            cost = self._footprint(self.resident[last])
-            self.used += cost - self.cost[last]
-            self.cost[last] = cost
+    def _arch(self, client: int) -> str:
+        return arch_for_client(self.cfg.model, client)
+
+    def _settle(self, client: int) -> None:
+        """Measure an architecture again on its first client that has trained."""
+        handler = self.resident.get(client)
+        if handler is None:
+            return
+        arch = self._arch(client)
+        if arch in self.settled:
+            return
+        if any(p.grad is not None for p in handler.ctx.model.parameters()):
+            self.arch_cost[arch] = max(self.arch_cost[arch], self._footprint(handler))
+            self.settled.add(arch)
 
     def build(self, client: int) -> ClientHandler:
         """A handler for `client` over a stored network holding the initial weights."""
@@ -321,7 +358,7 @@ class ClientPool:
 
     def _footprint(self, handler: ClientHandler) -> int:
         """Bytes a materialised handler holds: its state's tensors (weights, optimizer
-        buffers, extra) plus a gradient per parameter (after its first training)."""
+        buffers, extra) plus a gradient per parameter."""
         state = handler.state_dict()
         grads = sum(p.numel() * p.element_size() for p in handler.ctx.model.parameters())
         return _tensor_bytes(state) + grads
@@ -335,10 +372,11 @@ class ClientPool:
 
     def evict(self, client: int) -> None:
         handler = self.resident.pop(client)
-        self.used -= self.cost.pop(client)
+        arch = self._arch(client)
+        self.arch_count[arch] -= 1
         packed = pack_state(handler.state_dict())
         self.evicted[client] = self._stash(client, packed)
-        self.models.give_back(arch_for_client(self.cfg.model, client), handler.ctx.model)
+        self.models.give_back(arch, handler.ctx.model)
         self.evictions += 1
 
     def _stash(self, client: int, packed: Packed) -> Packed | Path:

@@ -143,3 +143,21 @@ def test_the_task_indexes_follow_every_way_a_task_ends():
     late = int(first[1].dst[1:])
     assert engine.window.failures == {late: "late"}
     assert engine.next_deadline() == 4.0 and len(engine.busy) == 2
+
+
+def test_a_final_evaluation_asks_few_clients_for_embeddings():
+    from fedbus.node.engine import embedding_clients
+
+    assert embedding_clients(list(range(30)), 50) == list(range(30))
+    assert embedding_clients(list(range(30)), 0) == list(range(30))
+    picked = embedding_clients(list(range(10_000)), 50)
+    assert len(picked) == 50 and picked[:3] == [0, 200, 400] and picked[-1] == 9_800
+    engine = _round_engine(120, rounds=1)
+    engine.cfg.log["embedding_clients"] = 4
+    tasks = engine.on_configured("n", "r", 0.0)
+    outs = []
+    for out in tasks:
+        outs += _answer(engine, out, 1.0)
+    asked = [int(o.dst[1:]) for o in outs if o.kind == "eval" and o.body["embed"]]
+    assert asked == [0, 30, 60, 90]
+    assert all(o.body["embed"] == engine.cfg.log.embeddings for o in outs if o.body["embed"])
