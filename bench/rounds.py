@@ -129,6 +129,14 @@ def main_args(args: argparse.Namespace) -> int:
     rss = figures["peak_rss_per_process"]
     if rss:
         print(f"  peak RSS per process         {', '.join(f'{r / 2**20:.0f}' for r in rss)} MiB")
+    by_role: dict[str, float] = {}
+    for role, sec in res.cpu_by_pid.values():
+        by_role[role] = by_role.get(role, 0.0) + sec
+    figures["cpu_s_by_role"] = by_role
+    if by_role:
+        print("  CPU seconds, whole run       " + ", ".join(
+            f"{role} {sec:.1f}" for role, sec in sorted(by_role.items(), key=lambda x: -x[1]))
+            + "  (nodes summed; start-up included)")
     print(f"  wall time incl. start-up     {res.wall_s:9.1f} s")
     if args.json:
         print(json.dumps(figures))

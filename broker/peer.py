@@ -161,6 +161,9 @@ class Peer:
         self._seen: dict[tuple[str, int], list] = {}  # (src, inc) -> [watermark, set above]
         self._acks: dict[str, list[tuple[int, int]]] = {}  # src address -> [(inc, seq)]
         self._client_nodes: set[str] = set()  # server: live client nodes (join/leave)
+        # server: client address -> the node hosting it (join/leave), so that one ack per
+        # node covers all its clients instead of one per client
+        self._host: dict[str, str] = {}
         self._last_rx = 0.0
         self._last_tx = 0.0
         self._register_sent = 0.0
@@ -685,6 +688,11 @@ class Peer:
         if self.role != "server" or not isinstance(node, str):
             return
         self._client_nodes.add(node)
+        clients = body.get("clients")
+        if isinstance(clients, list):
+            for address in clients:
+                if isinstance(address, str):
+                    self._host[address] = node
         # broadcasts this node may have missed (e.g. it re-registered after a broker restart)
         if self._state == _READY:
             for out in self._unacked.values():
@@ -697,6 +705,11 @@ class Peer:
         if self.role != "server" or not isinstance(node, str):
             return
         self._client_nodes.discard(node)
+        clients = body.get("clients")
+        if isinstance(clients, list):
+            for address in clients:
+                if self._host.get(address) == node:
+                    del self._host[address]
         for key, out in list(self._unacked.items()):
             if out.waiting is not None and node in out.waiting:
                 out.waiting.discard(node)
@@ -736,10 +749,13 @@ class Peer:
                 self._forget(key)
 
     def _flush_acks(self) -> None:
-        """Send one "ack" per source address with what arrived since the last one."""
+        """Send what arrived since the last flush: one "ack" per source address, or, on a
+        server, one per client node covering every address it hosts (the entries name
+        their src, so the receiving node's runtime needs no more than that)."""
         pending, self._acks = self._acks, {}
+        by_dst: dict[str, list[list]] = {}
         for src, items in pending.items():
-            entries = []
+            entries = by_dst.setdefault(self._host.get(src, src), [])
             by_inc: dict[int, list[int]] = {}
             for inc, seq in items:
                 by_inc.setdefault(inc, []).append(seq)
@@ -753,7 +769,8 @@ class Peer:
                     entries.append([src, inc, first, prev])
                     first = prev = s
                 entries.append([src, inc, first, prev])
-            self._send_control("ack", src, {"acks": entries}, src=self._ack_src)
+        for dst, entries in by_dst.items():
+            self._send_control("ack", dst, {"acks": entries}, src=self._ack_src)
 
     # -- timers
     def _timers(self, now: float) -> None:
