@@ -132,6 +132,90 @@ def run(sections: dict[str, dict[str, Any]], name: str, *, out: Path | None = No
                     cpu)
 
 
+def complete_summary(run_dir: Path, rounds: int) -> dict[str, Any] | None:
+    """RUN/summary.json when it holds every one of `rounds` rounds, else None."""
+    try:
+        summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if summary.get("rounds_completed") == rounds else None
+
+
+@dataclass
+class Outcome:
+    run_dir: Path
+    summary: dict[str, Any]
+    wall_s: float  # nan when reused
+    note: str  # "reused", "" (ran), or why a failed launcher still counts
+
+
+# The sections whose every key (defaults filled in) decides what a run computes.
+COMPUTING = ("algorithm", "data", "model", "train", "system")
+
+
+def stale(run_dir: Path, sections: dict[str, dict[str, Any]]) -> str:
+    """Why RUN's saved config.json no longer is what `sections` build today ("" when it
+    is): a run name hashes only the sections a benchmark sets, so a changed default (say
+    an algorithm's) would otherwise let an old run stand in for a new one."""
+    from fedbus.node.config import build_config
+
+    try:
+        saved = json.loads((Path(run_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    today = json.loads(json.dumps(build_config(sections).to_dict()))
+    for section in COMPUTING:
+        old, new = saved.get(section, {}), today.get(section, {})
+        # A key only one side has is an option added (or dropped) since: an added one
+        # defaults to the old behaviour, so only a value both sides have can differ.
+        changed = sorted(k for k in set(old) & set(new) if old[k] != new[k])
+        if changed:
+            return f"[{section}] " + ", ".join(
+                f"{k}: {old[k]!r} then, {new[k]!r} now" for k in changed)
+    return ""
+
+
+def run_or_reuse(sections: dict[str, dict[str, Any]], name: str, *, out: Path,
+                 timeout: float) -> Outcome:
+    """OUT/NAME reused when its summary holds every round (an interrupted benchmark resumes
+    where it stopped) and its config is what `sections` build today, else one real `fedbus
+    run` of `sections` there; a stale run directory is kept as NAME.stale."""
+    rounds = sections["federation"]["rounds"]
+    run_dir = out / name
+    summary = complete_summary(run_dir, rounds)
+    why = stale(run_dir, sections) if summary is not None else ""
+    if summary is not None and not why:
+        return Outcome(run_dir, summary, float("nan"), "reused")
+    if why:
+        old = run_dir.with_name(run_dir.name + ".stale")
+        if old.exists():
+            shutil.rmtree(old)
+        run_dir.rename(old)
+    t0 = time.perf_counter()
+    try:
+        summary, note = run(sections, name, out=out, timeout=timeout).summary, ""
+    except RuntimeError as err:
+        # A launcher that fails after the server wrote a summary of every round (say, a
+        # node that dies while shutting down) still leaves a complete run; the note says so.
+        summary = complete_summary(run_dir, rounds)
+        if summary is None:
+            raise
+        note = f"launcher exit 1 after a complete run ({err})"
+    if why:
+        note = "; ".join(x for x in (note, f"rerun: the old run was stale ({why})") if x)
+    return Outcome(run_dir, summary, time.perf_counter() - t0, note)
+
+
+def mean_std(values: list[float | None]) -> tuple[float, float, int]:
+    """(mean, sample std, n) of the values that are numbers; (nan, nan, 0) when none."""
+    vals = [float(v) for v in values if v is not None and not math.isnan(float(v))]
+    if not vals:
+        return float("nan"), float("nan"), 0
+    m = sum(vals) / len(vals)
+    sd = math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else 0.0
+    return m, sd, len(vals)
+
+
 def _role(proc, launcher: int) -> str:
     """launcher, broker, server or node: forked processes are named fedbus-NAME
     (launch.processes.die_with_parent); exec'd ones by their command line."""
