@@ -140,7 +140,7 @@ class Peer:
         self._lock = threading.Lock()
         self._seqs: dict[str, itertools.count] = {}
         self._outq: deque = deque()
-        self._inq: queue.Queue = queue.Queue()
+        self._inq: queue.SimpleQueue = queue.SimpleQueue()  # C: put/get without a Condition
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
