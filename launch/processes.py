@@ -171,11 +171,12 @@ class Federation:
         self.children: list[Child] = []
 
     def spawn(self, name: str, argv: list[str], *, env: dict[str, str] | None = None,
-              essential: bool = True) -> Child:
+              essential: bool = True, method: str | None = None) -> Child:
+        """Start `fedbus ARGV` as a child; `method` overrides the federation's fork/exec."""
         log = self.run_dir / "logs" / f"{name}.log"
         argv = [*argv, "--log-level", self.log_level,
                 "--log-file", str(self.run_dir / "logs" / f"{name}.jsonl")]
-        if self.method == "fork":
+        if (method or self.method) == "fork":
             proc: Process = Forked(argv, log, env or {}, name)
         else:
             proc = subprocess.Popen([sys.executable, "-m", "fedbus.launch", *argv],

@@ -115,10 +115,13 @@ def main(args: argparse.Namespace) -> int:
         f"[{', '.join(sorted({p.label for p in placements}))}], broker {address}\n"
         f"fedbus run: run directory {run_dir}")
     try:
-        if not cfg.bus.broker:  # first: it needs no torch, and the others connect to it
+        if not cfg.bus.broker:
+            # First, as the others connect to it; always a fresh interpreter: it needs no
+            # torch, and forked from this launcher (which imported torch for the preflight)
+            # it would map ~250 MB of torch's pages it never uses.
             fed.spawn("broker", ["broker", "--bind", address, *hb,
                                  "--max-frame-mb", str(cfg.bus.max_frame_mb),
-                                 *(["--curve", *keys] if keys else [])])
+                                 *(["--curve", *keys] if keys else [])], method="exec")
         if fed.method == "fork":
             preload(cfg)
         fed.spawn("server", ["server", "--broker", address, str(run_dir / "config.json"),
