@@ -101,11 +101,11 @@ import torch.nn.functional as F
 
 from fedbus.algorithms import Algorithm
 from fedbus.algorithms.base import (ClientUpdate, Failure, LocalRun, RoundInfo, ServerHandler,
-                                    head_metrics, to_tensor)
+                                    to_tensor)
 from fedbus.algorithms.local import LocalClient, Params, opt, staleness_metrics
 from fedbus.algorithms.protos import (aggregate_prototypes, class_counts, class_means,
-                                      class_sums, local_prototypes, merge_prototypes,
-                                      pixel_samples, prototype_metrics)
+                                      class_sums, head_and_prototype_metrics, local_prototypes,
+                                      merge_prototypes, pixel_samples)
 
 # Declarations other modules import (FedTGP did); FedProto's PARAMS use them too.
 PROTO_LOSS = opt("mse", "client regulariser: mse = App. B eq. 1 and the reference code "
@@ -293,11 +293,10 @@ class FedProtoClient(LocalClient):
     # -- evaluation ----------------------------------------------------------------
     def evaluate(self, task: Mapping[str, Any]) -> dict[str, float]:
         ctx = self.ctx
-        out = head_metrics(ctx.model, ctx.test_x, ctx.test_y)
         g, has = self.global_protos(task)
         allowed = has & self.own if self.infer_own else has
-        out.update(prototype_metrics(ctx.model, ctx.test_x, ctx.test_y, g, allowed))
-        return out
+        # head and prototype scores from one feature pass over the test split
+        return head_and_prototype_metrics(ctx.model, ctx.test_x, ctx.test_y, g, allowed)
 
 
 ALGORITHM = Algorithm("fedproto", FedProtoServer, FedProtoClient,

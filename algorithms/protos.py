@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedbus.algorithms.base import confusion_matrix, dense_scores
+from fedbus.algorithms.base import HeadScores, confusion_matrix, dense_scores, head_metrics
 
 
 def is_dense(labels: torch.Tensor) -> bool:
@@ -95,7 +95,7 @@ def class_means(features: torch.Tensor, labels: torch.Tensor,
     return means, counts
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def local_prototypes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
                      num_classes: int, batch: int = 512) -> tuple[np.ndarray, np.ndarray]:
     """Mean features per class over a client's data (model in eval mode),
@@ -204,7 +204,7 @@ def merge_prototypes(old: np.ndarray, old_has: np.ndarray, new: np.ndarray,
     return np.asarray(protos, dtype=np.float32), has
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def prototype_metrics(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
                       protos: torch.Tensor, allowed: torch.Tensor | None = None,
                       batch: int = 512) -> dict[str, float]:
@@ -237,7 +237,7 @@ def prototype_metrics(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
     return {"proto_acc": acc, "proto_miou": miou}
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def prototype_accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
                        protos: torch.Tensor, allowed: torch.Tensor | None = None,
                        batch: int = 512) -> float:
@@ -245,3 +245,43 @@ def prototype_accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
     on (x, y) (pixel accuracy for masks); nan without test samples or without any
     allowed prototype."""
     return prototype_metrics(model, x, y, protos, allowed, batch)["proto_acc"]
+
+
+def _forward_is_head_of_features(model: torch.nn.Module) -> bool:
+    """Whether model(x) computes exactly head(features(x)): a fedbus ProtoNet whose
+    forward is the base class's, with no hook on the whole network."""
+    from fedbus.models.base import ProtoNet
+
+    return (isinstance(model, ProtoNet) and type(model).forward is ProtoNet.forward
+            and not model._forward_hooks and not model._forward_pre_hooks)
+
+
+@torch.inference_mode()
+def head_and_prototype_metrics(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+                               protos: torch.Tensor, allowed: torch.Tensor | None = None,
+                               batch: int = 512) -> dict[str, float]:
+    """head_metrics(model, x, y, batch) updated with prototype_metrics(model, x, y, protos,
+    allowed, batch), the same values bit for bit, from one feature pass over x instead of
+    two: for per-sample labels the head is applied to the features the prototype
+    inference uses (batch by batch, as model(x) would), when model(x) is head(features(x))
+    (`_forward_is_head_of_features`). Otherwise (masks, other networks, no test sample,
+    no allowed prototype) the two functions run as they are. The model is left in train
+    mode, as head_metrics leaves it."""
+    if (is_dense(y) or len(y) == 0 or (allowed is not None and not bool(allowed.any()))
+            or not _forward_is_head_of_features(model)):
+        out = head_metrics(model, x, y, batch)
+        out.update(prototype_metrics(model, x, y, protos, allowed, batch))
+        return out
+    model.eval()
+    scores = HeadScores()
+    features = []
+    for i in range(0, len(y), batch):
+        h = model.features(x[i:i + batch])
+        # kept before the head runs: a head may work in place on its input
+        features.append(h.float().clone())
+        scores.add(model.head(h), y[i:i + batch])
+    model.train()
+    h = torch.cat(features, 0)
+    pred = nearest_prototype(h, protos.to(h.device), None if allowed is None
+                             else allowed.to(h.device))
+    return {**scores.result(), "proto_acc": float((pred == y).float().mean().item())}

@@ -17,6 +17,8 @@ BENCHES = {
     "accuracy": ("accuracy", "the algorithms' accuracy table on offline MNIST over seeds"),
     "reproduce": ("reproduce", ("one paper's table rerun offline at its settings, scaled "
                                 "to this machine, beside the paper's numbers")),
+    "train": ("train", ("real FedProto training (20 clients, MNIST-10k Dir(0.1), cnn4) per "
+                        "round: fedbus beside a single-process HtFLlib-style reference loop")),
     "segmentation": ("segmentation", ("FedAvg and proto-attention on the generated "
                                       "shapes-seg segmentation set over seeds (mIoU, pixel "
                                       "accuracy)")),
