@@ -59,12 +59,23 @@ import numpy as np
 import torch
 
 from fedbus.algorithms import Algorithm
-from fedbus.algorithms.base import (ClientUpdate, Failure, LocalRun, RoundInfo, head_metrics,
-                                    to_tensor)
+from fedbus.algorithms.base import (
+    ClientUpdate,
+    Failure,
+    LocalRun,
+    RoundInfo,
+    head_metrics,
+    to_tensor,
+)
 from fedbus.algorithms.fedavg import FedAvgClient, FedAvgServer, swapped_weights
 from fedbus.algorithms.local import opt
-from fedbus.algorithms.protos import (aggregate_prototypes, local_prototypes, merge_prototypes,
-                                      prototype_metrics)
+from fedbus.algorithms.protos import (
+    aggregate_prototypes,
+    head_and_prototype_metrics,
+    local_prototypes,
+    merge_prototypes,
+    prototype_metrics,
+)
 
 
 class FedAvgProtoServer(FedAvgServer):
@@ -149,9 +160,10 @@ class FedAvgProtoClient(FedAvgClient):
         has = to_tensor(task["has"], ctx.device, torch.bool)
         on_global = self.param("infer_model") == "global"
         with swapped_weights(ctx.model, task["weights"]):
+            if on_global:  # one feature pass for both scores
+                return head_and_prototype_metrics(ctx.model, ctx.test_x, ctx.test_y, protos,
+                                                  has)
             out = head_metrics(ctx.model, ctx.test_x, ctx.test_y)
-            if on_global:
-                out.update(prototype_metrics(ctx.model, ctx.test_x, ctx.test_y, protos, has))
         if not on_global:
             out.update(prototype_metrics(ctx.model, ctx.test_x, ctx.test_y, protos, has))
         return out

@@ -110,11 +110,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedbus.algorithms import Algorithm
-from fedbus.algorithms.base import (ClientUpdate, Failure, LocalRun, RoundInfo, ServerHandler,
-                                    head_metrics, to_tensor)
+from fedbus.algorithms.base import (
+    ClientUpdate,
+    Failure,
+    LocalRun,
+    RoundInfo,
+    ServerHandler,
+    to_tensor,
+)
 from fedbus.algorithms.local import LocalClient, Params, opt, staleness_metrics
-from fedbus.algorithms.protos import (aggregate_prototypes, class_counts, class_means,
-                                      local_prototypes, pixel_samples, prototype_metrics)
+from fedbus.algorithms.protos import (
+    aggregate_prototypes,
+    class_counts,
+    class_means,
+    head_and_prototype_metrics,
+    local_prototypes,
+    pixel_samples,
+)
 
 MARGINS = ("max", "max_min", "fixed", "none")
 
@@ -384,11 +396,10 @@ class FedTGPClient(LocalClient):
 
     def evaluate(self, task: Mapping[str, Any]) -> dict[str, float]:
         ctx = self.ctx
-        out = head_metrics(ctx.model, ctx.test_x, ctx.test_y)
         g, has = self.global_protos(task)
         allowed = has & self.own.to(has.device) if self.infer_own else has
-        out.update(prototype_metrics(ctx.model, ctx.test_x, ctx.test_y, g, allowed))
-        return out
+        # head and prototype scores from one feature pass over the test split
+        return head_and_prototype_metrics(ctx.model, ctx.test_x, ctx.test_y, g, allowed)
 
 
 ALGORITHM = Algorithm("fedtgp", FedTGPServer, FedTGPClient,

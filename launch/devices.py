@@ -7,7 +7,9 @@ addresses it as cuda:0, so a library inside it cannot wander onto another GPU.
 """
 from __future__ import annotations
 
+import heapq
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -75,9 +77,21 @@ def assign(nodes: int, devices: list[str], gpu_count: int) -> tuple[list[Placeme
     return out, warning
 
 
-def split_clients(clients: int, nodes: int) -> list[list[int]]:
-    """Contiguous, balanced ranges of client ids, one per node (none empty)."""
+def split_clients(clients: int, nodes: int,
+                  work: Sequence[float] | None = None) -> list[list[int]]:
+    """Client ids per node (none empty, each sorted): contiguous ranges of equal length,
+    or, given each client's work (its training samples), near-equal total work: largest
+    client first onto the least loaded node, so a node of large clients does not hold
+    every round back while the others wait."""
     nodes = max(1, min(nodes, clients))
+    if work is not None and sum(work) > 0:
+        load = [(0.0, i) for i in range(nodes)]
+        groups: list[list[int]] = [[] for _ in range(nodes)]
+        for c in sorted(range(clients), key=lambda c: (-work[c], c)):
+            total, i = heapq.heappop(load)
+            groups[i].append(c)
+            heapq.heappush(load, (total + work[c], i))
+        return [sorted(g) for g in groups]
     base, extra = divmod(clients, nodes)
     out, start = [], 0
     for i in range(nodes):

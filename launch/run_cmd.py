@@ -90,7 +90,10 @@ def main(args: argparse.Namespace) -> int:
         address = f"ipc://{run_dir.resolve() / 'broker.sock'}"
     else:
         address = f"tcp://127.0.0.1:{free_port()}"
-    groups = split_clients(cfg.federation.clients, cfg.launch.nodes)
+    from fedbus.node.setup import federated_data  # loaded by the preflight already
+
+    groups = split_clients(cfg.federation.clients, cfg.launch.nodes,
+                           [len(p.train) for p in federated_data(cfg).parts])
     try:
         placements, warning = assign(len(groups), cfg.launch.devices, visible_gpus())
     except ValueError as err:

@@ -711,10 +711,12 @@ def summarise_eval(per_client: dict[int, dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if not per_client:
         return out
-    n = np.array([float(m.get("num_test", 0)) for m in per_client.values()])
+    # in client order, not arrival order: the same results give the same means to the bit
+    ordered = [m for _, m in sorted(per_client.items())]
+    n = np.array([float(m.get("num_test", 0)) for m in ordered])
     for key in METRIC_KEYS:
         vals = np.array([float(m[key]) if m.get(key) is not None else np.nan
-                         for m in per_client.values()])
+                         for m in ordered])
         ok = ~np.isnan(vals)
         if not ok.any():
             continue

@@ -48,7 +48,7 @@ class NodeData:
     client c's (train_x, train_y, test_x, test_y) as views into them."""
 
     def __init__(self, data: FederatedData, clients: list[int], device: torch.device):
-        self.clients = sorted(set(int(c) for c in clients))
+        self.clients = sorted({int(c) for c in clients})
         for c in self.clients:
             if not 0 <= c < data.num_clients:
                 raise IndexError(f"client {c} out of range 0..{data.num_clients - 1}")

@@ -35,6 +35,10 @@ def test_explicit_devices_and_inherited_visibility(monkeypatch):
 def test_client_ranges():
     assert split_clients(10, 3) == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
     assert split_clients(2, 5) == [[0], [1]]
+    # by work: the largest first onto the least loaded node
+    assert split_clients(5, 2, [9, 1, 1, 5, 4]) == [[0, 1], [2, 3, 4]]  # 10 and 10
+    assert split_clients(4, 2, [1, 1, 1, 1]) == [[0, 2], [1, 3]]
+    assert split_clients(3, 3, [0, 0, 0]) == [[0], [1], [2]]
     assert parse_ids("0-3,7,9-10") == [0, 1, 2, 3, 7, 9, 10]
     assert format_ids([0, 1, 2, 3, 7, 9, 10]) == "0-3,7,9-10"
     for bad in ("", "a-b", "5-2", "-1"):
