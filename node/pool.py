@@ -208,17 +208,11 @@ def pack_state(state: Any) -> Packed:
             tensors.append(t)
             offset += slot.nbytes
             return slot
-        if isinstance(obj, dict):
-            return {k: walk(v) for k, v in obj.items()}
-        if isinstance(obj, list):
-            return [walk(v) for v in obj]
-        if isinstance(obj, tuple):
-            return tuple(walk(v) for v in obj)
         if isinstance(obj, np.ndarray):
             return obj.copy()
         return copy.deepcopy(obj)
 
-    layout = walk(state)
+    layout = _map_leaves(state, walk)
     flat = torch.empty(offset, dtype=torch.uint8)
     for t, slot in zip(tensors, _slots(layout)):
         if slot.nbytes:
@@ -248,15 +242,20 @@ def unpack_state(packed: Packed) -> Any:
             if obj.nbytes == 0:
                 return torch.empty(obj.shape, dtype=obj.dtype)
             return flat[obj.offset:obj.offset + obj.nbytes].view(obj.dtype).reshape(obj.shape)
-        if isinstance(obj, dict):
-            return {k: walk(v) for k, v in obj.items()}
-        if isinstance(obj, list):
-            return [walk(v) for v in obj]
-        if isinstance(obj, tuple):
-            return tuple(walk(v) for v in obj)
         return obj
 
-    return walk(packed.layout)
+    return _map_leaves(packed.layout, walk)
+
+
+def _map_leaves(obj: Any, fn) -> Any:
+    """obj with its dicts, lists and tuples rebuilt and every other value x as fn(x)."""
+    if isinstance(obj, dict):
+        return {k: _map_leaves(v, fn) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_map_leaves(v, fn) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_map_leaves(v, fn) for v in obj)
+    return fn(obj)
 
 
 # --------------------------------------------------------------------------- residency
