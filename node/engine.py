@@ -290,9 +290,6 @@ class Engine:
         self.events.append({"event": "leave", "node": node, "clients": len(ids)})
         return self._progress(now)
 
-    def _fail_client(self, client: int, reason: str) -> None:
-        self._fail_clients({client}, reason)
-
     def _fail_clients(self, clients: set[int], reason: str) -> None:
         if any(self.busy[c] for c in clients):
             for tid, task in list(self.tasks.items()):

@@ -128,11 +128,6 @@ class ModelStore:
     def give_back(self, arch: str, model: torch.nn.Module) -> None:
         self.free.setdefault(arch, []).append(model)
 
-    def nbytes(self, arch: str) -> int:
-        """Weights and buffers of one network of `arch`."""
-        model = self.templates[arch]
-        return sum(t.numel() * t.element_size() for t in model.state_dict().values())
-
     def builder(self):
         """ClientContext.build_arch for this node: a network of any registry arch (FML's and
         FedKD's shared model), a copy of one seeded build instead of a new initialisation."""
@@ -191,7 +186,6 @@ class _Slot:
     nbytes: int
     dtype: torch.dtype
     shape: tuple[int, ...]
-    device: str
 
 
 def pack_state(state: Any) -> Packed:
@@ -203,8 +197,7 @@ def pack_state(state: Any) -> Packed:
         nonlocal offset
         if isinstance(obj, torch.Tensor):
             t = obj.detach()
-            slot = _Slot(offset, t.numel() * t.element_size(), t.dtype, tuple(t.shape),
-                         str(t.device))
+            slot = _Slot(offset, t.numel() * t.element_size(), t.dtype, tuple(t.shape))
             tensors.append(t)
             offset += slot.nbytes
             return slot
