@@ -74,6 +74,10 @@ class ClientUpdate:
     version: int  # the global version (round) the client's task was made from
     staleness: int = 0  # aggregations that happened since that version
     weight: float = 1.0  # engine's staleness weight, 1/sqrt(1+staleness)
+    # A relay's pre-aggregated update (fedbus.algorithms.merge): the clients it stands
+    # for, each with an empty payload; its own payload is the handler's sum form and its
+    # client is the first member's. Empty for a client's own update.
+    members: tuple["ClientUpdate", ...] = ()
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,15 @@ class ServerHandler:
     def __init__(self, ctx: ServerContext):
         self.ctx = ctx
         self.params = ctx.params
+
+    # How this class's updates pre-aggregate at a relay (fedbus.algorithms.merge.MergeRule),
+    # or None: a relay then forwards every update as it is. Declared by the class whose
+    # aggregate() handles merged updates; merge_rule() does not let subclasses inherit it.
+    MERGE: ClassVar[Any] = None
+
+    @classmethod
+    def merge_rule(cls) -> Any:
+        return cls.__dict__.get("MERGE")
 
     def make_task(self, client: int, info: RoundInfo) -> dict[str, Any]:
         raise NotImplementedError

@@ -46,8 +46,8 @@ from fedbus.algorithms import Algorithm
 from fedbus.algorithms.base import (ClientUpdate, Failure, LocalRun, RoundInfo, ServerHandler,
                                     head_metrics, load_weights, model_weights, weight_delta)
 from fedbus.algorithms.local import LocalClient, Params, opt, staleness_metrics
-from fedbus.algorithms.weights import average_deltas, fedavg_coefs, weights_spec
-
+from fedbus.algorithms.merge import DeltaSums, weighted_sum
+from fedbus.algorithms.weights import apply_delta, average_deltas, fedavg_coefs, weights_spec
 
 PARTIAL = opt("tolerate", "a partial update (fewer epochs than asked): tolerate = aggregate "
               "it; drop = count it as a failure (Michieli & Ozay's plain FedAvg, Table 3)",
@@ -65,6 +65,8 @@ def drop_partial(updates: list[ClientUpdate],
 class FedAvgServer(Params, ServerHandler):
     PARAMS: ClassVar[dict[str, Any]] = {"partial": PARTIAL}
     needs_same_model: ClassVar[bool] = True
+    # Algorithm 1's weighted mean is a sum: a relay pre-aggregates it (algorithms.merge)
+    MERGE = DeltaSums()
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -100,7 +102,13 @@ class FedAvgServer(Params, ServerHandler):
                   info: RoundInfo) -> dict[str, float]:
         updates, failures = self.tolerated(updates, failures)
         metrics = staleness_metrics(updates, failures)
-        if updates:
+        if any(u.members for u in updates):  # a relay's pre-aggregated sums among them
+            total, _ = weighted_sum(updates, DeltaSums(), self.resolved_params())
+            mass = float(total["mass"][0])
+            if mass > 0:
+                self.weights = apply_delta(self.weights, {k: v / mass for k, v in
+                                                          total["delta_sum"].items()})
+        elif updates:
             self.weights = average_deltas(self.weights, [u.payload["delta"] for u in updates],
                                           self.coefficients(updates))
         return metrics

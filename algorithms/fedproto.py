@@ -103,8 +103,9 @@ from fedbus.algorithms import Algorithm
 from fedbus.algorithms.base import (ClientUpdate, Failure, LocalRun, RoundInfo, ServerHandler,
                                     to_tensor)
 from fedbus.algorithms.local import LocalClient, Params, opt, staleness_metrics
-from fedbus.algorithms.protos import (aggregate_prototypes, class_counts, class_means,
-                                      class_sums, head_and_prototype_metrics, local_prototypes,
+from fedbus.algorithms.merge import PrototypeSums, weighted_sum
+from fedbus.algorithms.protos import (aggregate_prototypes, class_counts, class_means, class_sums,
+                                      head_and_prototype_metrics, local_prototypes,
                                       merge_prototypes, pixel_samples)
 
 # Declarations other modules import (FedTGP did); FedProto's PARAMS use them too.
@@ -134,6 +135,9 @@ class FedProtoServer(Params, ServerHandler):
                             choices=("after", "during")),
     }
 
+    # eq. 6 is a per-class weighted sum: a relay pre-aggregates it (fedbus.algorithms.merge)
+    MERGE = PrototypeSums()
+
     def __init__(self, ctx):
         super().__init__(ctx)
         self.protos = np.zeros((ctx.num_classes, ctx.feature_dim), dtype=np.float32)
@@ -146,7 +150,15 @@ class FedProtoServer(Params, ServerHandler):
     def aggregate(self, updates: list[ClientUpdate], failures: list[Failure],
                   info: RoundInfo) -> dict[str, float]:
         metrics = staleness_metrics(updates, failures)
-        if updates:
+        if any(u.members for u in updates):  # a relay's pre-aggregated sums among them
+            total, _ = weighted_sum(updates, self.MERGE, self.resolved_params())
+            mass = total["mass"]
+            safe = np.where(mass > 0, mass, 1.0)[:, None]
+            mean = np.where(mass[:, None] > 0, total["sums"] / safe, 0.0).astype(np.float32)
+            self.protos, self.has = merge_prototypes(self.protos, self.has, mean, mass > 0,
+                                                     bool(self.param("keep_missing")))
+            metrics["classes_received"] = float((mass > 0).sum())
+        elif updates:
             mean, mass = aggregate_prototypes(
                 np.stack([np.asarray(u.payload["protos"]) for u in updates]),
                 np.stack([np.asarray(u.payload["counts"]) for u in updates]),

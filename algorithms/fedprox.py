@@ -32,12 +32,14 @@ import torch
 from fedbus.algorithms import Algorithm
 from fedbus.algorithms.fedavg import FedAvgClient, FedAvgServer
 from fedbus.algorithms.local import opt
+from fedbus.algorithms.merge import DeltaSums
 
 
 class FedProxServer(FedAvgServer):
     PARAMS: ClassVar[dict[str, Any]] = {
         "mu": opt(0.01, "FedProx proximal coefficient mu (eq. 2)", min=0.0),
     }
+    MERGE = DeltaSums()  # FedAvg's aggregation, inherited unchanged
 
 
 class FedProxClient(FedAvgClient):

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from fedbus.algorithms import Algorithm
-from fedbus.algorithms.base import (ClientHandler, ClientUpdate, Failure, LocalRun,
-                                    RoundInfo, ServerHandler)
+from fedbus.algorithms.base import (ClientHandler, ClientUpdate, Failure, LocalRun, RoundInfo,
+                                    ServerHandler)
 
 
 def opt(default: Any, help: str = "", choices: tuple | None = None,
@@ -59,12 +59,25 @@ class Params:
             return self.params[key]
         return default_of(self.PARAMS[key])
 
+    def resolved_params(self) -> dict[str, Any]:
+        """Every declared key with its value: what a relay's MergeRule is given."""
+        return resolved_params(type(self), self.params)
+
+
+def resolved_params(handler_cls: type, section: Mapping[str, Any]) -> dict[str, Any]:
+    """A handler class's declared PARAMS with their defaults, overridden by `section` (the
+    [algorithm] table): the values its handler's param() would read."""
+    out = {k: default_of(v) for k, v in getattr(handler_cls, "PARAMS", {}).items()}
+    out.update(section)
+    return out
+
 
 def staleness_metrics(updates: list[ClientUpdate], failures: list[Failure]) -> dict[str, float]:
     """Scalar metrics every aggregation reports."""
-    out: dict[str, float] = {"updates": float(len(updates)), "failures": float(len(failures))}
-    if updates:
-        out["mean_staleness"] = sum(u.staleness for u in updates) / len(updates)
+    clients = [m for u in updates for m in (u.members or (u,))]  # a relay's merged: its members
+    out: dict[str, float] = {"updates": float(len(clients)), "failures": float(len(failures))}
+    if clients:
+        out["mean_staleness"] = sum(u.staleness for u in clients) / len(clients)
     return out
 
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from fedbus.algorithms import Algorithm
 from fedbus.algorithms.base import ClientHandler, ServerHandler
+from fedbus.algorithms.merge import ArraySums, members_of
 
 SIZES = {"prototypes": (10, 512), "resnet18": (11_181_642,)}
 
@@ -25,6 +26,7 @@ def _payload(kind: str) -> np.ndarray:
 
 class NoopServer(ServerHandler):
     PARAMS: ClassVar[dict[str, Any]] = {"payload": "prototypes"}
+    MERGE = ArraySums()  # so `fedbus bench rounds --relays` measures pre-aggregation
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -40,7 +42,7 @@ class NoopServer(ServerHandler):
         return {}
 
     def aggregate(self, updates, failures, info):
-        self.updates_seen += len(updates)
+        self.updates_seen += len(members_of(updates))
         return {"updates_seen": float(self.updates_seen)}
 
     def update_spec(self):

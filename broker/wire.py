@@ -71,6 +71,7 @@ KINDS = frozenset(
         "ack",
         "task",
         "update",
+        "merged",
         "eval",
         "eval_result",
         "error",

@@ -130,6 +130,8 @@ class RoundState:
     hard_deadline: float
     updates: dict[int, ClientUpdate] = field(default_factory=dict)
     failures: dict[int, str] = field(default_factory=dict)
+    # relays' pre-aggregated updates; their members are in `updates` (empty payloads)
+    merged: list[ClientUpdate] = field(default_factory=list)
     bytes_up: int = 0
     bytes_down: int = 0
     params_up: int = 0
@@ -186,6 +188,7 @@ class Engine:
         self.rounds = self.fed.rounds
         self.live: set[int] = set()
         self.nodes: dict[str, list[int]] = {}
+        self.host: dict[int, str] = {}  # client -> the node hosting it
         self.version = 0  # aggregations done
         self.next_task_id = 1
         self.next_eval_id = 1
@@ -269,7 +272,16 @@ class Engine:
                 ids.append(c)
         # The node's clients count as live once it says it is configured: building
         # data and the first models takes seconds that must not eat a round's deadline.
+        # A node that registers again with another client list (a relay whose nodes came
+        # or went, fedbus.node.relay) no longer hosts the clients it left out.
+        gone = set(self.nodes.get(node, ())) - set(ids)
+        if gone:
+            self.live.difference_update(gone)
+            self._fail_clients(gone, "dead")
         self.nodes[node] = ids
+        for c in gone:
+            self.host.pop(c, None)
+        self.host.update(dict.fromkeys(ids, node))
         self.events.append({"event": "join", "node": node, "clients": len(ids)})
         return [Out("config", node, -1, {"run": self.run_id, "config": self.cfg.to_dict()})]
 
@@ -286,6 +298,9 @@ class Engine:
         if ids is None:
             ids = [client_index(a) for a in clients if a.startswith("c") and a[1:].isdigit()]
         self.live.difference_update(ids)
+        for c in ids:
+            if self.host.get(c) == node:
+                del self.host[c]
         self._fail_clients(set(ids), "dead")
         self.events.append({"event": "leave", "node": node, "clients": len(ids)})
         return self._progress(now)
@@ -414,9 +429,13 @@ class Engine:
         deadline = now + self.fed.deadline_s if self.fed.deadline_s > 0 else 0.0
         hard = now + max(self.fed.hard_deadline_s, self.fed.deadline_s)
         self.round = RoundState(self.version, now, sampled, deadline, hard)
+        # A relay merges one round's updates once all its tasks are answered, so each task
+        # says how many of the round's tasks went to the node hosting its client.
+        per_node = Counter(self.host.get(c) for c in sampled)
         out = []
         for c in sampled:
             body = self._task_body(c, self.version, now, deadline)
+            body["node_tasks"] = per_node[self.host.get(c)]
             out.append(Out("task", client_address(c), self.version, body))
         self.events.append({"event": "round_start", "round": self.version,
                             "sampled": len(sampled), "live": len(live)})
@@ -451,6 +470,73 @@ class Engine:
             self.totals["late_dropped"] += 1
             self.events.append({"event": "late_dropped", "client": client,
                                 "version": task.version})
+        return []
+
+    def is_expected_merged(self, node: str, body: dict[str, Any], *, run: str | None = None,
+                           round: int | None = None) -> str | None:
+        """Why a relay's pre-aggregated update must be rejected, or None: the handler
+        declares a merge rule, the run is sync, the sender hosts every member, and each
+        member answers an outstanding task of one version and round, once."""
+        if self.handler.merge_rule() is None:
+            return f"{type(self.handler).__name__} declares no merge rule"
+        if self.async_mode:
+            return "merged updates are for sync runs (async relays forward updates as they are)"
+        if run is not None and run != self.run_id:
+            return f"run {run!r} is not this server's run {self.run_id!r}"
+        hosted = self.nodes.get(node)
+        if hosted is None:
+            return f"sender {node!r} is not a client node of this run"
+        hosted_set = set(hosted)
+        version = body.get("version")
+        for m in body.get("members", ()):
+            client = client_index(m[0])
+            if client not in hosted_set:
+                return f"{m[0]} is not hosted by {node!r}"
+            task = self.tasks.get(m[1])
+            if task is None:
+                return f"task {m[1]!r} is not outstanding"
+            if task.client != client:
+                return f"task {task.id} was sent to c{task.client}, not {m[0]}"
+            if task.version != version or (round is not None and task.round != round):
+                return f"task {task.id} is not of version {version!r} round {round!r}"
+        return None
+
+    def on_merged(self, node: str, body: dict[str, Any], nbytes: int, now: float) -> list[Out]:
+        """A relay's pre-aggregated update (already validated): its members answered their
+        tasks; the handler aggregates its sum form once (fedbus.algorithms.merge)."""
+        version = int(body["version"])
+        members = []
+        task_round = None
+        for address, tid, n, work in body["members"]:
+            task = self._drop_task(tid)
+            task_round = task.round
+            members.append(ClientUpdate(client=client_index(address), payload={},
+                                        num_samples=int(n), work=Work.from_dict(work),
+                                        version=version))
+        members.sort(key=lambda u: u.client)
+        entry = ClientUpdate(client=members[0].client, payload=body["payload"],
+                             num_samples=sum(u.num_samples for u in members),
+                             work=members[0].work, version=version, members=tuple(members))
+        params = count_params(body["payload"])
+        self.totals["bytes_up"] += nbytes
+        self.totals["params_up"] += params
+        r = self.round
+        if r is not None and task_round == r.round:
+            for u in members:
+                r.updates[u.client] = u
+            r.merged.append(entry)
+            r.bytes_up += nbytes
+            r.params_up += params
+            return self._progress(now)
+        # a relay's group that missed its round: late, as its members would be
+        if self.fed.late == "fold":
+            self.late.append(entry)
+            self.totals["late_folded"] += len(members)
+        else:
+            self.totals["late_dropped"] += len(members)
+        self.events.append({"event": "late_folded" if self.fed.late == "fold" else
+                            "late_dropped", "relay": node, "clients": len(members),
+                            "version": version})
         return []
 
     def on_task_failed(self, src: str, task_id: Any, now: float,
@@ -495,6 +581,8 @@ class Engine:
     def _weighted(self, upd: ClientUpdate) -> ClientUpdate:
         upd.staleness = self.version - upd.version
         upd.weight = staleness_weight(upd.staleness)
+        for m in upd.members:
+            m.staleness, m.weight = upd.staleness, upd.weight
         return upd
 
     def _close_round(self, now: float) -> list[Out]:
@@ -507,14 +595,18 @@ class Engine:
                 task.deadline = 0.0  # it may still arrive: then it is late
             elif self.version - task.version > self.fed.max_staleness:
                 self._drop_task(tid)  # too stale to ever count
-        fresh = [self._weighted(r.updates[c]) for c in sorted(r.updates)]
+        in_merged = {m.client for e in r.merged for m in e.members}
+        fresh = [self._weighted(r.updates[c]) for c in sorted(r.updates) if c not in in_merged]
+        fresh += [self._weighted(e) for e in sorted(r.merged, key=lambda e: e.client)]
         folded = [self._weighted(u) for u in self.late
                   if self.version - u.version <= self.fed.max_staleness]
         self.late = []
         failures = [Failure(c, r.failures[c]) for c in sorted(r.failures)]
         record = self._aggregate(fresh + folded, failures, r, now)
+        folded = [m for u in folded for m in (u.members or (u,))]
         record.update(round=r.round, sampled=len(r.sampled), folded=len(folded),
-                      stale=[[u.client, u.version, u.staleness, u.weight] for u in folded])
+                      stale=[[u.client, u.version, u.staleness, u.weight] for u in folded],
+                      merged=len(r.merged))
         self.round = None
         return self._after_aggregation(record, now)
 
@@ -524,6 +616,7 @@ class Engine:
         metrics = self.handler.aggregate(updates, failures, info) or {}
         # Scalars go to "agg"; a dict or list value (e.g. one number per client) to "agg_extra".
         extra = {k: v for k, v in metrics.items() if isinstance(v, (dict, list))}
+        updates = [m for u in updates for m in (u.members or (u,))]  # a relay's: its clients
         self.version += 1
         reasons = [f.reason for f in failures]
         works = [u.work.fraction for u in updates]

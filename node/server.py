@@ -27,8 +27,8 @@ from fedbus.node.engine import SERVER, Engine, Out, client_index, count_params
 from fedbus.node.msglog import MessageLogWriter
 from fedbus.node.rundir import RunDir, atomic_write, summarise
 from fedbus.node.setup import (arch_builder, check_models, distinct_archs, federated_data,
-                              make_model, pooled_train)
-from fedbus.node.validate import Rejected, check_update
+                               make_model, pooled_train)
+from fedbus.node.validate import Rejected, check_merged, check_update
 
 log = get_logger("fedbus.server")
 
@@ -93,6 +93,8 @@ def dispatch(engine: Engine, msg: Message, now: float) -> list[Out]:
                 outs += engine.on_task_failed(msg.src, task, now, reason="rejected")
             return outs
         return engine.on_update(msg.src, body, msg.nbytes, now)
+    if kind == "merged":
+        return _dispatch_merged(engine, msg, body, now)
     if kind == "config" and isinstance(body, dict):
         return engine.on_configured(str(body.get("node", "")), str(body.get("run", "")), now)
     if kind == "error" and isinstance(body, dict) and body.get("code") == "handler_failed":
@@ -105,6 +107,35 @@ def dispatch(engine: Engine, msg: Message, now: float) -> list[Out]:
                 return []
         return []
     return []
+
+
+def _dispatch_merged(engine: Engine, msg: Message, body: Any, now: float) -> list[Out]:
+    """A relay's pre-aggregated update: checked whole, then one engine event. A refused one
+    is answered with an error and ends its members' tasks, so the round need not wait."""
+    rule = engine.handler.merge_rule()
+    reason = None
+    try:
+        if rule is None:
+            raise Rejected(f"{type(engine.handler).__name__} declares no merge rule")
+        check_merged(body, rule.spec(engine.handler), max_samples=engine.max_samples,
+                     max_bytes=int(engine.cfg.bus.max_frame_mb) << 20, nbytes=msg.nbytes,
+                     units=engine.label_pixels)
+        reason = engine.is_expected_merged(msg.src, body, run=msg.run, round=msg.round)
+    except (Rejected, ValueError) as err:
+        reason = str(err)
+    if reason is None:
+        return engine.on_merged(msg.src, body, msg.nbytes, now)
+    engine.totals["rejected"] += 1
+    engine.events.append({"event": "rejected", "src": msg.src, "reason": reason})
+    outs = [Out("error", msg.src, msg.round, {"code": "rejected", "reason": reason})]
+    hosted = set(engine.nodes.get(msg.src, ()))
+    members = body.get("members") if isinstance(body, dict) else None
+    for m in members if isinstance(members, list) else ():
+        # only the tasks of clients the sender hosts: a relay cannot end another's tasks
+        if isinstance(m, list) and len(m) == 4 and isinstance(m[0], str) and \
+                m[0][1:].isdigit() and int(m[0][1:]) in hosted:
+            outs += engine.on_task_failed(m[0], m[1], now, reason="rejected")
+    return outs
 
 
 class ServerNode:
