@@ -150,6 +150,7 @@ class Peer:
         self._start_error: str | None = None
         self._closing = False
         self._closed = False
+        self._reregister = False  # set_addresses: register again with the new list
 
         # I/O thread state (touched only by the I/O thread after start)
         self._state = _IDLE
@@ -241,6 +242,24 @@ class Peer:
             self._outq.append(msg)
         self._wake()
         return msg
+
+    def set_addresses(self, addresses: Sequence[str]) -> None:
+        """Host a new set of client addresses (role "client"): the node registers again with
+        the new list, and the broker tells the server (a `join` listing them; PROTOCOL.md §5).
+        A relay (fedbus.node.relay) calls this as nodes join and leave below it. The name
+        stays an address."""
+        if self.role != "client":
+            raise ValueError("only a client node hosts client addresses")
+        addrs = tuple(dict.fromkeys(addresses))
+        for a in addrs:
+            if not isinstance(a, str) or not a or a in wire.RESERVED_ADDRESSES:
+                raise ValueError(f"bad client address {a!r}")
+        with self._lock:
+            self.addresses = addrs
+            self._sources = frozenset(addrs) | {self.name}
+            self._default_src = addrs[0] if len(addrs) == 1 else self.name
+            self._reregister = True
+        self._wake()
 
     def recv(self, timeout: float | None = None) -> Message | None:
         """The next application message (task, update, eval, eval_result, error, shutdown,
@@ -365,6 +384,9 @@ class Peer:
             except (BlockingIOError, OSError):
                 pass
         self._wake_pending = False
+        if self._reregister and self._state == _READY:
+            self._reregister = False
+            self._register()
         self._take_outgoing()
         sock = self._sock
         if sock is not None and sock in events:
@@ -409,6 +431,7 @@ class Peer:
         self._register()
 
     def _register(self) -> None:
+        self._reregister = False
         self._state = _REGISTERING
         self._register_sent = time.monotonic()
         self._send_control("register", BROKER, {

@@ -12,6 +12,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "broker": ("broker_cmd", "start the message broker"),
     "server": ("server_cmd", "start the server node for a config"),
     "node": ("node_cmd", "start a client node hosting some clients"),
+    "relay": ("relay_cmd", "start a regional relay (one participant upstream, the server of "
+                           "its site's nodes)"),
     "partition": ("partition_cmd", "build, show or export a data partition"),
     "replay": ("replay_cmd", "re-run a run's server (or one client) from its message log"),
     "log": ("log_cmd", "print a run's message timeline"),

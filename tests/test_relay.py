@@ -1,0 +1,197 @@
+"""Regional relays (`fedbus relay`): a federation through two relays computes what the
+flat federation computes, with one update per relay per round into the server."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from fedbus.algorithms.base import Work
+from fedbus.algorithms.merge import DeltaSums, PrototypeSums
+from fedbus.algorithms.protos import aggregate_prototypes
+from fedbus.broker.wire import Message, decode_body
+from fedbus.node.config import build_config
+from fedbus.node.engine import client_address
+from fedbus.node.server import build_engine, dispatch
+from tests.helpers import SMALL, Processes, free_port, merged, metrics, wait_until, write_config
+
+FAST = ("--heartbeat-s", "0.3", "--liveness", "4")
+# Six clients, all sampled every round, one torch thread everywhere: on the CPU every
+# client trains exactly as in the flat run, whichever node hosts it.
+EQUIV = merged(SMALL, federation={"clients": 6, "rounds": 3, "deadline_s": 0.0,
+                                  "hard_deadline_s": 120.0},
+               launch={"threads": 1})
+
+
+def _final_state(run) -> dict:
+    raw = (run / "checkpoint.fbk").read_bytes()
+    return decode_body(raw, max_frame=len(raw))["handler"]
+
+
+def _federation(tmp_path, sections, *, relays: bool, name: str) -> tuple:
+    """Broker + server, and nodes hosting clients 0-2 and 3-5: directly, or each node
+    below its own relay (its own site broker). Returns (run dir, Processes)."""
+    d = tmp_path / name
+    d.mkdir()
+    procs = Processes(d)
+    broker = f"tcp://127.0.0.1:{free_port()}"
+    cfg = write_config(d / "cfg.toml", sections)
+    run = d / "run"
+    procs.start("broker", "broker", "--bind", broker, *FAST)
+    procs.start("server", "server", "--broker", broker, str(cfg), "--out", str(run))
+    for i, clients in enumerate(("0-2", "3-5")):
+        target = broker
+        if relays:
+            site = f"tcp://127.0.0.1:{free_port()}"
+            procs.start(f"relay-{i}", "relay", "--upstream", broker, "--bind", site,
+                        "--name", f"relay-{i}", *FAST)
+            target = site
+        procs.start(f"node-{i}", "node", "--broker", target, "--clients", clients,
+                    "--name", f"n{i}", *FAST)
+    return run, procs
+
+
+def _finish(run, procs, what: str) -> None:
+    wait_until(lambda: procs.procs["server"].poll() is not None, 240, f"the {what} run")
+    assert procs.procs["server"].returncode == 0, procs.log("server")
+
+
+@pytest.mark.parametrize("algorithm", ["fedproto", "fedavg"])
+def test_two_relays_give_the_flat_federations_global_state(tmp_path, algorithm):
+    sections = merged(EQUIV, algorithm={"name": algorithm})
+    runs = {}
+    for relays in (False, True):
+        name = "relays" if relays else "flat"
+        run, procs = _federation(tmp_path, sections, relays=relays, name=name)
+        try:
+            _finish(run, procs, name)
+        finally:
+            procs.close()
+        runs[name] = run
+    flat, tree = (_final_state(runs[k]) for k in ("flat", "relays"))
+    keys = ["protos"] if algorithm == "fedproto" else sorted(flat["weights"])
+    for key in keys:
+        a = flat[key] if algorithm == "fedproto" else flat["weights"][key]
+        b = tree[key] if algorithm == "fedproto" else tree["weights"][key]
+        np.testing.assert_allclose(np.asarray(b, dtype=np.float64),
+                                   np.asarray(a, dtype=np.float64), rtol=0, atol=1e-6,
+                                   err_msg=f"{algorithm} {key}")
+    flat_recs, tree_recs = metrics(runs["flat"]), metrics(runs["relays"])
+    assert len(tree_recs) == len(flat_recs) == 3
+    for f, t in zip(flat_recs, tree_recs):
+        # every client took part, through one merged update per relay
+        assert t["participants"] == f["participants"] == list(range(6))
+        assert t["merged"] == 2 and f["merged"] == 0
+        # the server received 2 messages a round instead of 6
+        assert 0 < t["bytes_up"] < f["bytes_up"] or algorithm == "fedproto"
+        assert t["acc_mean"] == pytest.approx(f["acc_mean"], abs=1e-6)
+    summary = json.loads((runs["relays"] / "summary.json").read_text())
+    assert summary["rounds_completed"] == 3
+
+
+# --- the server's side of merged updates, event by event (a real engine, no sockets) ---
+
+WORK = {"epochs_asked": 1, "epochs_done": 1.0, "steps": 1, "samples": 1}
+
+
+def _engine(**federation):
+    cfg = build_config({"federation": {"clients": 6, "rounds": 3, **federation},
+                        "data": {"dataset": "digits", "partition": "iid"},
+                        "model": {"arch": "mlp"}, "algorithm": {"name": "noop"}})
+    engine = build_engine(cfg, "r")
+    engine.on_join("relay", [client_address(c) for c in range(4)], 0.0)
+    engine.on_join("n", [client_address(c) for c in range(4, 6)], 0.0)
+    engine.on_configured("n", "r", 0.0)
+    return engine, engine.on_configured("relay", "r", 0.0)
+
+
+def _merged(tasks, *, src="relay", run="r"):
+    state = sum(np.asarray(t.body["payload"]["state"], dtype=np.float64) for t in tasks)
+    body = {"version": tasks[0].body["version"], "rule": "array-sums",
+            "members": [[t.dst, t.body["task"], 1, WORK] for t in tasks],
+            "payload": {"state": state, "mass": np.array([float(len(tasks))])}}
+    return Message("merged", src, "server", body, run=run, round=tasks[0].round)
+
+
+def _update(task, now=1.0):
+    body = {"task": task.body["task"], "version": task.body["version"], "num_samples": 1,
+            "work": WORK, "payload": {"state": np.asarray(task.body["payload"]["state"])}}
+    return Message("update", task.dst, "server", body, run="r", round=task.round)
+
+
+def test_a_round_takes_one_merged_update_for_the_relays_clients():
+    engine, tasks = _engine()
+    assert [t.body["node_tasks"] for t in tasks] == [4, 4, 4, 4, 2, 2]
+    dispatch(engine, _merged(tasks[:4]), 1.0)
+    assert engine.version == 0 and sorted(engine.round.updates) == [0, 1, 2, 3]
+    for t in tasks[4:]:
+        dispatch(engine, _update(t), 1.5)
+    assert engine.version == 1
+    rec = engine.records[-1] if engine.records else engine.evals[min(engine.evals)].record
+    assert rec["participants"] == list(range(6)) and rec["merged"] == 1
+    assert rec["agg"]["updates_seen"] == 6.0  # the handler counted the relay's members
+
+
+def test_a_merged_update_for_clients_the_sender_does_not_host_is_refused():
+    engine, tasks = _engine()
+    # n hosts c4 and c5 only: it cannot answer c0's task, nor end it
+    outs = dispatch(engine, _merged(tasks[:2], src="n"), 1.0)
+    assert [o.kind for o in outs] == ["error"] and "not hosted by 'n'" in outs[0].body["reason"]
+    assert not engine.round.updates and not engine.round.failures
+    # a merged update of another run, or answering a task twice, is refused too; a refused
+    # one from the relay ends its members' tasks so the round need not wait for them
+    outs = dispatch(engine, _merged(tasks[:2], run="other"), 1.0)
+    assert outs[0].kind == "error" and sorted(engine.round.failures) == [0, 1]
+    outs = dispatch(engine, _merged(tasks[:2]), 1.0)
+    assert outs[0].kind == "error" and "not outstanding" in outs[0].body["reason"]
+
+
+def test_a_merged_update_that_misses_its_round_is_folded_with_its_staleness_weight():
+    engine, tasks = _engine(deadline_s=5.0, min_updates=1, late="fold")
+    for t in tasks[4:]:
+        dispatch(engine, _update(t), 1.0)
+    engine.on_tick(5.0)  # closes round 0 without the relay's clients
+    assert engine.version == 1 and engine.totals["late_folded"] == 0
+    dispatch(engine, _merged(tasks[:4]), 6.0)
+    assert engine.totals["late_folded"] == 4 and len(engine.late) == 1
+
+
+def test_a_node_that_registers_again_with_fewer_clients_no_longer_hosts_the_rest():
+    engine, _ = _engine()
+    engine.on_join("relay", [client_address(c) for c in (0, 1)], 2.0)
+    assert engine.live == {0, 1, 4, 5}
+    assert engine.round.failures == {2: "dead", 3: "dead"}
+    assert 2 not in engine.host and engine.host[0] == "relay"
+
+
+def test_prototype_sums_merged_in_any_grouping_give_eq_6():
+    rng = np.random.default_rng(0)
+    protos = rng.normal(size=(7, 5, 3)).astype(np.float32)
+    counts = rng.integers(0, 4, size=(7, 5))
+    weights = np.ones(7)
+    rule = PrototypeSums()
+    for mode in ("weighted", "mean"):
+        params = {"aggregate": mode}
+        want, want_mass = aggregate_prototypes(protos, counts, weights,
+                                               by_count=mode == "weighted")
+        total = None
+        for group in ([0, 1, 2], [3], [4, 5, 6]):  # three relays, merged at the server
+            part = None
+            for i in group:
+                part = rule.add(part, rule.lift({"protos": protos[i], "counts": counts[i]},
+                                                10, Work(1, 1.0, 1, 1), params))
+            total = rule.add(total, part)
+        mass = total["mass"]
+        got = np.where(mass[:, None] > 0, total["sums"] / np.where(mass > 0, mass, 1)[:, None], 0)
+        np.testing.assert_allclose(mass, want_mass)
+        np.testing.assert_allclose(got.astype(np.float32), want, rtol=0, atol=1e-6)
+
+
+def test_fedavg_does_not_merge_partial_work_it_is_told_to_drop():
+    rule = DeltaSums()
+    payload = {"delta": {"w": np.ones((2, 2), dtype=np.float32)}}
+    partial = Work(2, 1.0, 1, 1)
+    assert rule.lift(payload, 5, partial, {"partial": "drop"}) is None
+    form = rule.lift(payload, 5, partial, {"partial": "tolerate"})
+    assert form["mass"].tolist() == [5.0] and form["delta_sum"]["w"].tolist() == [[5, 5], [5, 5]]
