@@ -133,6 +133,7 @@ class RoundState:
     # relays' pre-aggregated updates; their members are in `updates` (empty payloads)
     merged: list[ClientUpdate] = field(default_factory=list)
     bytes_up: int = 0
+    messages_up: int = 0  # updates and relays' merged updates that reached the server
     bytes_down: int = 0
     params_up: int = 0
     params_down: int = 0
@@ -459,6 +460,7 @@ class Engine:
         if r is not None and task.round == r.round and client in r.members:
             r.updates[client] = upd
             r.bytes_up += nbytes
+            r.messages_up += 1
             r.params_up += params
             return self._progress(now)
         # a straggler from an earlier round
@@ -526,6 +528,7 @@ class Engine:
                 r.updates[u.client] = u
             r.merged.append(entry)
             r.bytes_up += nbytes
+            r.messages_up += 1
             r.params_up += params
             return self._progress(now)
         # a relay's group that missed its round: late, as its members would be
@@ -626,7 +629,8 @@ class Engine:
                 "partial": sum(1 for u in updates if u.work.fraction < 1.0),
                 "work_fraction": float(np.mean(works)) if works else 0.0,
                 "stale_max": max((u.staleness for u in updates), default=0),
-                "bytes_up": window.bytes_up, "bytes_down": window.bytes_down,
+                "bytes_up": window.bytes_up, "messages_up": window.messages_up,
+                "bytes_down": window.bytes_down,
                 "params_up": window.params_up, "params_down": window.params_down,
                 "participants": sorted(u.client for u in updates),
                 "partial_clients": sorted(u.client for u in updates if u.work.fraction < 1.0),
@@ -670,6 +674,7 @@ class Engine:
                       now: float) -> list[Out]:
         w = self.window
         w.bytes_up += nbytes
+        w.messages_up += 1
         w.params_up += params
         if self.version >= self.rounds:
             return []  # the last aggregation is done; the final evaluation is running

@@ -14,7 +14,8 @@ from fedbus.broker.wire import Message, decode_body
 from fedbus.node.config import build_config
 from fedbus.node.engine import client_address
 from fedbus.node.server import build_engine, dispatch
-from tests.helpers import SMALL, Processes, free_port, merged, metrics, wait_until, write_config
+from tests.helpers import (SMALL, Processes, fedbus, free_port, merged, metrics, wait_until,
+                           write_config)
 
 FAST = ("--heartbeat-s", "0.3", "--liveness", "4")
 # Six clients, all sampled every round, one torch thread everywhere: on the CPU every
@@ -84,10 +85,73 @@ def test_two_relays_give_the_flat_federations_global_state(tmp_path, algorithm):
         assert t["participants"] == f["participants"] == list(range(6))
         assert t["merged"] == 2 and f["merged"] == 0
         # the server received 2 messages a round instead of 6
-        assert 0 < t["bytes_up"] < f["bytes_up"] or algorithm == "fedproto"
+        assert (t["messages_up"], f["messages_up"]) == (2, 6)
+        assert 0 < t["bytes_up"] < f["bytes_up"]
         assert t["acc_mean"] == pytest.approx(f["acc_mean"], abs=1e-6)
     summary = json.loads((runs["relays"] / "summary.json").read_text())
     assert summary["rounds_completed"] == 3
+
+
+def test_a_relay_closes_its_round_at_its_deadline_and_a_late_update_is_folded(tmp_path):
+    """Client 2 (below relay-0) is slow: relay-0 merges c0 and c1 at its deadline, 0.9 x the
+    server's, and forwards c2's update when it comes; the server, whose round closed at its
+    deadline without c2, folds it into the next aggregation with weight 1/sqrt(2)."""
+    # c2's update leaves ~200 x its training time (tens of ms) after its task: seconds
+    # after both deadlines, well before the eighth round ends
+    sections = merged(EQUIV, federation={"rounds": 8, "deadline_s": 3.0, "min_updates": 1,
+                                         "late": "fold", "hard_deadline_s": 60.0},
+                      algorithm={"name": "fedproto"},
+                      system={"slow_clients": [2], "slow_factor": 200.0})
+    run, procs = _federation(tmp_path, sections, relays=True, name="slow")
+    try:
+        _finish(run, procs, "slow-client")
+        relay_log = procs.log("relay-0")
+    finally:
+        procs.close()
+    recs = metrics(run)
+    assert recs[0]["failures"] == {"2": "late"} and recs[0]["merged"] == 2
+    assert recs[0]["participants"] == [0, 1, 3, 4, 5]
+    folded = [s for r in recs for s in r["stale"]]
+    assert folded and all(c == 2 and st >= 1 and w == pytest.approx(1 / np.sqrt(1 + st))
+                          for c, _v, st, w in folded), folded
+    assert "round closed at the relay deadline" in relay_log
+
+
+def test_relays_under_curve_keys_made_by_keygen(tmp_path):
+    """Two sites with their own keys: the server site's broker allow-lists the server and the
+    two relays (each for the client ids below it); each site's folder holds its broker, the
+    relay's site-server key and its node's key (PROTOCOL.md §10, README "Across machines")."""
+    up, sites = tmp_path / "keys", [tmp_path / "site-0", tmp_path / "site-1"]
+    fedbus_cli = Processes(tmp_path)
+    gen = [("broker", up, ()), ("server", up, ()), ("relay-0", up, ("--clients", "0-2")),
+           ("relay-1", up, ("--clients", "3-5"))]
+    for i, site in enumerate(sites):
+        gen += [("broker", site, ()), ("server", site, ()),
+                (f"n{i}", site, ("--clients", ("0-2", "3-5")[i]))]
+    for name, folder, extra in gen:
+        fedbus("keygen", name, "--dir", str(folder), *extra)
+    cfg = write_config(tmp_path / "cfg.toml", merged(EQUIV, algorithm={"name": "fedproto"},
+                                                     federation={"rounds": 2}))
+    run = tmp_path / "run"
+    broker = f"tcp://127.0.0.1:{free_port()}"
+    procs = fedbus_cli
+    try:
+        procs.start("broker", "broker", "--bind", broker, "--curve", "--keys-dir", str(up), *FAST)
+        procs.start("server", "server", "--broker", broker, str(cfg), "--out", str(run),
+                    "--keys-dir", str(up), "--key", "server")
+        for i, site in enumerate(sites):
+            endpoint = f"tcp://127.0.0.1:{free_port()}"
+            procs.start(f"relay-{i}", "relay", "--upstream", broker, "--bind", endpoint,
+                        "--keys-dir", str(up), "--key", f"relay-{i}",
+                        "--site-keys-dir", str(site), *FAST)
+            procs.start(f"node-{i}", "node", "--broker", endpoint, "--clients",
+                        ("0-2", "3-5")[i], "--keys-dir", str(site), "--key", f"n{i}", *FAST)
+        _finish(run, procs, "CURVE relay")
+    finally:
+        procs.close()
+    recs = metrics(run)
+    assert [r["merged"] for r in recs] == [2, 2]
+    assert all(r["participants"] == list(range(6)) for r in recs)
 
 
 # --- the server's side of merged updates, event by event (a real engine, no sockets) ---
