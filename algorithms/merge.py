@@ -32,7 +32,8 @@ class MergeRule:
     name = "merge"
 
     def lift(self, payload: Mapping[str, Any], num_samples: int, work: Work,
-             params: Mapping[str, Any]) -> dict[str, Any] | None:
+             params: Mapping[str, Any], client: int = -1) -> dict[str, Any] | None:
+        """One client's update in sum form; None = not merged (sent up as it is)."""
         raise NotImplementedError
 
     def add(self, into: dict[str, Any] | None, part: Mapping[str, Any]) -> dict[str, Any]:
@@ -44,6 +45,19 @@ class MergeRule:
     def spec(self, handler: Any) -> dict[str, Any]:
         """The sum form's arrays, as ServerHandler.update_spec() writes them."""
         raise NotImplementedError
+
+    def scaled(self, form: Mapping[str, Any], w: float) -> dict[str, Any]:
+        """w x a sum form (the server's staleness weight of a whole merged update)."""
+        return _scaled(form, w)
+
+    def form_of(self, payload: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The part of a merged payload this rule sums (a richer rule's payload may carry
+        more: MP-FedCL's pool rides beside FedAvg's sums)."""
+        return payload
+
+    def check(self, payload: Mapping[str, Any], members: list) -> str | None:
+        """Why a merged payload does not fit its members (beyond its spec), or None."""
+        return None
 
 
 def _copy(tree: Mapping[str, Any]) -> dict[str, Any]:
@@ -70,11 +84,12 @@ def weighted_sum(updates: list[ClientUpdate], rule: MergeRule,
     total: dict[str, Any] | None = None
     refused = []
     for u in updates:
-        form = u.payload if u.members else rule.lift(u.payload, u.num_samples, u.work, params)
+        form = rule.form_of(u.payload) if u.members else \
+            rule.lift(u.payload, u.num_samples, u.work, params, u.client)
         if form is None:
             refused.append(u)
             continue
-        total = rule.add(total, _scaled(form, float(u.weight)))
+        total = rule.add(total, rule.scaled(form, float(u.weight)))
     return total, refused
 
 
@@ -94,7 +109,7 @@ class PrototypeSums(MergeRule):
     def __init__(self, by_count_param: str = "aggregate", by_count_value: str = "weighted"):
         self.by_count_param, self.by_count_value = by_count_param, by_count_value
 
-    def lift(self, payload, num_samples, work, params):
+    def lift(self, payload, num_samples, work, params, client=-1):
         counts = np.asarray(payload["counts"], dtype=np.float64)
         by_count = params.get(self.by_count_param) == self.by_count_value
         a = np.where(counts > 0, counts if by_count else 1.0, 0.0)
@@ -113,7 +128,7 @@ class DeltaSums(MergeRule):
 
     name = "delta-sums"
 
-    def lift(self, payload, num_samples, work, params):
+    def lift(self, payload, num_samples, work, params, client=-1):
         if params.get("partial") == "drop" and work.fraction < 1.0:
             return None
         n = float(num_samples)
@@ -126,6 +141,54 @@ class DeltaSums(MergeRule):
         return {"delta_sum": {k: ("float64", shape) for k, (_, shape) in spec.items()},
                 "mass": ("float64", (1,))}
 
+    def form_of(self, payload):
+        return {"delta_sum": payload["delta_sum"], "mass": payload["mass"]}
+
+
+class DeltaSumsAndPool(DeltaSums):
+    """MP-FedCL (Qiao et al.): FedAvg's half summed as DeltaSums, and the clients'
+    prototypes carried whole beside it ("pool": protos [M, C, k, D], mask [M, C, k],
+    counts [M, C], clients [M]), because the server's pool is no sum: eq. 8 keeps every
+    client's prototypes and eq. 10 pads each client's short classes with the mean over
+    all of them. The server rebuilds the per-client lists, so its pool is the flat one."""
+
+    name = "delta-sums+pool"
+
+    def lift(self, payload, num_samples, work, params, client=-1):
+        form = super().lift(payload, num_samples, work, params, client)
+        if form is None:
+            return None
+        form["pool"] = {"protos": np.asarray(payload["protos"], dtype=np.float32)[None],
+                        "mask": np.asarray(payload["mask"], dtype=bool)[None],
+                        "counts": np.asarray(payload["counts"], dtype=np.int64)[None],
+                        "clients": np.array([client], dtype=np.int64)}
+        return form
+
+    def add(self, into, part):
+        pool = part["pool"]
+        sums = super().add(None if into is None else {k: into[k] for k in ("delta_sum", "mass")},
+                           {k: part[k] for k in ("delta_sum", "mass")})
+        sums["pool"] = dict(pool) if into is None else {
+            k: np.concatenate([into["pool"][k], pool[k]]) for k in pool}
+        return sums
+
+    def scaled(self, form, w):
+        return {**_scaled(self.form_of(form), w), "pool": form["pool"]}
+
+    def spec(self, handler):
+        c, k, d = handler.ctx.num_classes, int(handler.param("k")), handler.ctx.feature_dim
+        return {**super().spec(handler), "pool": {
+            "protos": ("float32", (None, c, k, d)), "mask": ("bool", (None, c, k)),
+            "counts": ("int64", (None, c)), "clients": ("int64", (None,))}}
+
+    def check(self, payload, members):
+        clients = [int(c) for c in payload["pool"]["clients"]]
+        if sorted(clients) != sorted(int(m[0][1:]) for m in members):
+            return "the pool's clients are not the members"
+        if any(len(payload["pool"][k]) != len(clients) for k in ("protos", "mask", "counts")):
+            return "the pool's arrays do not have one row per member"
+        return None
+
 
 class ArraySums(MergeRule):
     """The no-op algorithm's "state" array summed, with the number of updates: what
@@ -133,7 +196,7 @@ class ArraySums(MergeRule):
 
     name = "array-sums"
 
-    def lift(self, payload, num_samples, work, params):
+    def lift(self, payload, num_samples, work, params, client=-1):
         return {"state": np.asarray(payload["state"], dtype=np.float64), "mass": np.ones(1)}
 
     def spec(self, handler):

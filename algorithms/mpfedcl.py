@@ -154,6 +154,7 @@ from fedbus.algorithms.base import (ClientUpdate, Failure, LocalRun, RoundInfo, 
                                     to_tensor)
 from fedbus.algorithms.fedavg import FedAvgClient, FedAvgServer, swapped_weights
 from fedbus.algorithms.local import opt
+from fedbus.algorithms.merge import DeltaSumsAndPool
 from fedbus.algorithms.protos import class_means, embeddings
 
 PARAMS: dict[str, Any] = {
@@ -371,10 +372,29 @@ def pool_distances(z: torch.Tensor, pool: torch.Tensor, pool_mask: torch.Tensor,
 
 # --- handlers ---------------------------------------------------------------------
 
+def _client_prototypes(updates: list[ClientUpdate]) -> list[ClientUpdate]:
+    """One update per client with its own prototypes: a relay's merged update carries its
+    members' rows in its "pool" (fedbus.algorithms.merge.DeltaSumsAndPool)."""
+    out = []
+    for u in updates:
+        if not u.members:
+            out.append(u)
+            continue
+        pool = u.payload["pool"]
+        for j, client in enumerate(pool["clients"]):
+            out.append(ClientUpdate(int(client), {"protos": pool["protos"][j],
+                                                  "mask": pool["mask"][j],
+                                                  "counts": pool["counts"][j]},
+                                    0, u.work, u.version, u.staleness, u.weight))
+    return out
+
+
 class MPFedCLServer(FedAvgServer):
     """FedAvg of the weights (inherited, staleness-weighted) + the prototype pool."""
 
     PARAMS = PARAMS
+    # the weights' half sums at a relay; the pool (eqs. 8-10) travels whole beside it
+    MERGE = DeltaSumsAndPool()
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -399,7 +419,7 @@ class MPFedCLServer(FedAvgServer):
         metrics = super().aggregate(updates, failures, info)  # the FedAvg part
         if not updates:
             return metrics
-        ups = sorted(updates, key=lambda u: (u.client, u.version))
+        ups = sorted(_client_prototypes(updates), key=lambda u: (u.client, u.version))
         p = self.p
         self.pool, self.pool_mask = merge_pool(
             [u.payload["protos"] for u in ups], [u.payload["mask"] for u in ups],

@@ -6,7 +6,8 @@ registers with the server's broker as one client node, starts this site's broker
 --bind (or uses --downstream, a broker already running), and serves the site's `fedbus
 node` processes, which connect to it as they would to a server's broker. Per sync round
 it sends the server one pre-aggregated update for algorithms that declare how their
-updates merge (fedprox, fedavg, fedproto, noop), and forwards everything else unchanged;
+updates merge (fedavg, fedprox, fedproto, mpfedcl, noop), and forwards everything else
+unchanged;
 see fedbus.node.relay and README "Across machines".
 
 Keys (CurveZMQ): upstream, like a node: --keys-dir holds this relay's client key (its

@@ -278,7 +278,7 @@ class Relay:
             work = Work.from_dict(body["work"])
             if body.get("version") == g.version:
                 form = self.rule.lift(body["payload"], int(body["num_samples"]), work,
-                                      self.params)
+                                      self.params, client_index(address))
         except (KeyError, TypeError, ValueError) as err:
             log.warning("update not merged: malformed", client=address, error=str(err))
         if form is None:  # the rule keeps it apart, or the server is to judge it

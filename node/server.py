@@ -120,7 +120,8 @@ def _dispatch_merged(engine: Engine, msg: Message, body: Any, now: float) -> lis
         check_merged(body, rule.spec(engine.handler), max_samples=engine.max_samples,
                      max_bytes=int(engine.cfg.bus.max_frame_mb) << 20, nbytes=msg.nbytes,
                      units=engine.label_pixels)
-        reason = engine.is_expected_merged(msg.src, body, run=msg.run, round=msg.round)
+        reason = rule.check(body["payload"], body["members"]) or \
+            engine.is_expected_merged(msg.src, body, run=msg.run, round=msg.round)
     except (Rejected, ValueError) as err:
         reason = str(err)
     if reason is None:

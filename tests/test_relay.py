@@ -58,7 +58,19 @@ def _finish(run, procs, what: str) -> None:
     assert procs.procs["server"].returncode == 0, procs.log("server")
 
 
-@pytest.mark.parametrize("algorithm", ["fedproto", "fedavg"])
+def _arrays(state: dict) -> dict:
+    """The global state's arrays by path: FedProto's prototypes, FedAvg's weights, MP-FedCL's
+    weights and prototype pool."""
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            out.update({f"{key}/{k}": v for k, v in _arrays(value).items()})
+        elif isinstance(value, np.ndarray):
+            out[key] = value
+    return out
+
+
+@pytest.mark.parametrize("algorithm", ["fedproto", "fedavg", "mpfedcl"])
 def test_two_relays_give_the_flat_federations_global_state(tmp_path, algorithm):
     sections = merged(EQUIV, algorithm={"name": algorithm})
     runs = {}
@@ -70,13 +82,13 @@ def test_two_relays_give_the_flat_federations_global_state(tmp_path, algorithm):
         finally:
             procs.close()
         runs[name] = run
-    flat, tree = (_final_state(runs[k]) for k in ("flat", "relays"))
-    keys = ["protos"] if algorithm == "fedproto" else sorted(flat["weights"])
-    for key in keys:
-        a = flat[key] if algorithm == "fedproto" else flat["weights"][key]
-        b = tree[key] if algorithm == "fedproto" else tree["weights"][key]
-        np.testing.assert_allclose(np.asarray(b, dtype=np.float64),
-                                   np.asarray(a, dtype=np.float64), rtol=0, atol=1e-6,
+    flat, tree = (_arrays(_final_state(runs[k])) for k in ("flat", "relays"))
+    want = {"fedproto": {"protos"}, "fedavg": {"weights/"}, "mpfedcl": {"weights/", "pool"}}
+    assert all(any(k.startswith(w) for k in flat) for w in want[algorithm]), sorted(flat)
+    assert sorted(flat) == sorted(tree)
+    for key in flat:
+        np.testing.assert_allclose(np.asarray(tree[key], dtype=np.float64),
+                                   np.asarray(flat[key], dtype=np.float64), rtol=0, atol=1e-6,
                                    err_msg=f"{algorithm} {key}")
     flat_recs, tree_recs = metrics(runs["flat"]), metrics(runs["relays"])
     assert len(tree_recs) == len(flat_recs) == 3
