@@ -166,6 +166,35 @@ def test_relays_under_curve_keys_made_by_keygen(tmp_path):
     assert all(r["participants"] == list(range(6)) for r in recs)
 
 
+def test_a_node_below_a_relay_that_dies_is_dropped_and_its_restart_rejoins(tmp_path):
+    """Partial participation one level down: node n1 (below relay-1) is killed mid-run. The
+    relay registers again without its clients, the server fails their tasks as "dead" and
+    runs on; a restarted n1 joins relay-1's site again and its clients come back."""
+    # slowed clients: rounds of a few seconds, so the kill lands before the run ends
+    sections = merged(EQUIV, federation={"rounds": 7}, algorithm={"name": "fedproto"},
+                      system={"slow_clients": [0, 1, 2, 3, 4, 5], "slow_factor": 40.0})
+    run, procs = _federation(tmp_path, sections, relays=True, name="dies")
+    try:
+        wait_until(lambda: (run / "metrics.jsonl").exists() and len(metrics(run)) >= 1, 120,
+                   "the first round")
+        procs.kill("node-1")
+        wait_until(lambda: any(set(r["participants"]) == {0, 1, 2} for r in metrics(run)), 120,
+                   "a round without n1's clients")
+        site = procs.log("relay-1")
+        endpoint = site.split("downstream='", 1)[1].split("'", 1)[0]
+        procs.start("node-1b", "node", "--broker", endpoint, "--clients", "3-5",
+                    "--name", "n1", *FAST)
+        _finish(run, procs, "node-restart")
+        relay_log = procs.log("relay-1")
+    finally:
+        procs.close()
+    recs = metrics(run)
+    assert len(recs) == 7
+    assert any("dead" in r["failures"].values() for r in recs)
+    assert recs[-1]["participants"] == list(range(6)) and recs[-1]["merged"] == 2
+    assert relay_log.count("node joined") >= 2 and "node left" in relay_log
+
+
 # --- the server's side of merged updates, event by event (a real engine, no sockets) ---
 
 WORK = {"epochs_asked": 1, "epochs_done": 1.0, "steps": 1, "samples": 1}
