@@ -111,25 +111,49 @@ def run(sections: dict[str, dict[str, Any]], name: str, *, out: Path | None = No
     out = out or Path(tempfile.mkdtemp(prefix="fedbus-bench-"))
     cfg = write_toml(out / f"{name}.toml", sections)
     run_dir = out / name
+    return watch([sys.executable, "-m", "fedbus.launch", "run", str(cfg), "--out",
+                  str(run_dir), "--quiet", "--log-level", "warning"], name, run_dir,
+                 timeout=timeout, what="fedbus run")
 
+
+def watch(cmd: list[str], name: str, run_dir: Path, *, timeout: float,
+          what: str) -> Finished:
+    """Run `cmd`, a launcher that starts a federation writing `run_dir` and exits when
+    the run ends, sampling the memory and CPU of its whole process tree; `what` names
+    the launcher in errors. The launcher is stopped after `timeout` seconds, or when
+    watching fails (psutil missing, Ctrl-C); its children die with it (PR_SET_PDEATHSIG)."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "fedbus.launch", "run", str(cfg), "--out",
-                             str(run_dir), "--quiet", "--log-level", "warning"])
-    watch = _Watch(proc.pid)
-    while proc.poll() is None:
-        watch.sample()
-        if time.perf_counter() - t0 > timeout:
-            proc.kill()
-            raise TimeoutError(f"{name}: no result after {timeout} s")
-        time.sleep(0.1)
+    proc = subprocess.Popen(cmd)
+    try:
+        tree = _Watch(proc.pid)
+        while proc.poll() is None:
+            tree.sample()
+            if time.perf_counter() - t0 > timeout:
+                raise TimeoutError(f"{name}: no result after {timeout} s")
+            time.sleep(0.1)
+    except BaseException:
+        _stop(proc)
+        raise
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise RuntimeError(f"{name}: fedbus run exited {proc.returncode}; see {run_dir}/logs")
+        raise RuntimeError(f"{name}: {what} exited {proc.returncode}; see {run_dir}/logs")
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    cpu = {pid: (watch.roles.get(pid, "?"), sec) for pid, sec in watch.cpu.items()}
-    return Finished(run_dir, wall, watch.peak, summary, records, watch.by_pid, watch.peak_pss,
+    cpu = {pid: (tree.roles.get(pid, "?"), sec) for pid, sec in tree.cpu.items()}
+    return Finished(run_dir, wall, tree.peak, summary, records, tree.by_pid, tree.peak_pss,
                     cpu)
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL after `grace_s`; the launcher's children die with it."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def complete_summary(run_dir: Path, rounds: int) -> dict[str, Any] | None:
@@ -217,7 +241,7 @@ def mean_std(values: list[float | None]) -> tuple[float, float, int]:
 
 
 def _role(proc, launcher: int) -> str:
-    """launcher, broker, server or node: forked processes are named fedbus-NAME
+    """launcher, broker, server, node or relay: forked processes are named fedbus-NAME
     (launch.processes.die_with_parent); exec'd ones by their command line."""
     if proc.pid == launcher:
         return "launcher"
@@ -226,7 +250,7 @@ def _role(proc, launcher: int) -> str:
     except Exception:  # psutil.Error
         return "?"
     for word in words:
-        for role in ("broker", "server", "node"):
+        for role in ("broker", "server", "node", "relay"):
             if word == role or word.startswith(f"fedbus-{role}"):
                 return role
     return "?"

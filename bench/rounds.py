@@ -3,6 +3,7 @@
     fedbus bench rounds --clients 100 --payload prototypes
     fedbus bench rounds --clients 1000 --nodes 4 --rounds 10
     fedbus bench rounds --clients 10000 --nodes 4 --rounds 5 --fraction 0.1
+    fedbus bench rounds --clients 1000 --nodes 4 --rounds 10 --relays 4
 
 A round's time is measured by the server from sending its first task to closing it
 (metrics.jsonl `round_s`); the first round, which also materialises every sampled
@@ -16,6 +17,16 @@ engine and pre-encoded bodies: a ROUTER "server" sends each round's tasks (bodie
 run's mean task size) to --nodes DEALER processes, which answer each with a body of the
 run's mean update size; a round is the first send to the last answer. fedbus's ratio
 to it is what the framework costs on top of moving the bytes.
+
+Relays (--relays N): the same federation (clients, nodes, rounds, payload, seed) run a
+second time in the same invocation through N `fedbus relay` processes, each starting its
+own site broker; the nodes are split among them in order (node i below relay
+floor(i N / nodes)), so --nodes must be at least --relays. Each relay sends the server one
+merged update a round (the no-op algorithm's ArraySums rule: the state summed in float64,
+twice the float32 payload, plus one [address, task, samples, work] entry per client).
+Printed beside the flat run: the time per round, the bytes and the messages into the
+server a round (metrics.jsonl `bytes_up` and `messages_up`: the round's updates and
+merged updates), memory and CPU by role, and the ratios relays / flat.
 """
 from __future__ import annotations
 
@@ -24,12 +35,14 @@ import json
 import math
 import multiprocessing as mp
 import statistics
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from fedbus.bench.common import run
+from fedbus.bench.common import Finished, run, watch, write_toml
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,6 +60,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--message-log", action="store_true",
                    help="keep the server's message log on (off: measure the bus alone)")
     p.add_argument("--no-floor", action="store_true", help="skip the raw-zmq floor")
+    p.add_argument("--relays", type=int, default=0,
+                   help="also run the same federation through this many `fedbus relay` "
+                   "processes (each with its own site broker, the nodes split among them; "
+                   "at most --nodes) and compare it with the flat run (default 0: flat only)")
     p.add_argument("--out", default=None, help="keep the run directory here")
     p.add_argument("--json", action="store_true", help="also print the figures as JSON")
 
@@ -85,6 +102,10 @@ def config(args: argparse.Namespace, dataset: str = "digits") -> dict:
 def main_args(args: argparse.Namespace) -> int:
     from fedbus.bench.common import out_dir
 
+    if args.relays < 0 or args.relays > min(args.nodes, args.clients):
+        print(f"fedbus bench rounds: --relays must lie in 0..{min(args.nodes, args.clients)} "
+              "(each relay serves at least one node of --nodes)", file=sys.stderr)
+        return 2
     out = out_dir(args.out, "rounds")
     dataset = "digits" if args.clients <= DIGITS_CLIENTS else \
         blobs(out / f"blobs-{args.clients}.npz", args.clients)
@@ -129,18 +150,183 @@ def main_args(args: argparse.Namespace) -> int:
     rss = figures["peak_rss_per_process"]
     if rss:
         print(f"  peak RSS per process         {', '.join(f'{r / 2**20:.0f}' for r in rss)} MiB")
-    by_role: dict[str, float] = {}
-    for role, sec in res.cpu_by_pid.values():
-        by_role[role] = by_role.get(role, 0.0) + sec
+    by_role = cpu_by_role(res)
     figures["cpu_s_by_role"] = by_role
     if by_role:
         print("  CPU seconds, whole run       " + ", ".join(
             f"{role} {sec:.1f}" for role, sec in sorted(by_role.items(), key=lambda x: -x[1]))
             + "  (nodes summed; start-up included)")
     print(f"  wall time incl. start-up     {res.wall_s:9.1f} s")
+    if args.relays:
+        name = f"rounds-{args.clients}-{args.payload}-relays{args.relays}"
+        cfg = write_toml(out / f"{name}.toml", config(args, dataset))
+        tree = watch([sys.executable, "-m", "fedbus.bench.rounds", str(cfg), "--out",
+                      str(out / name), "--relays", str(args.relays)], name, out / name,
+                     timeout=3600, what="the relays' launcher")
+        figures["relays"] = compare_relays(res, tree, args.relays,
+                                           min(args.nodes, args.clients))
+        print_relays(figures["relays"])
     if args.json:
         print(json.dumps(figures))
     return 0
+
+
+def cpu_by_role(res: Finished) -> dict[str, float]:
+    by_role: dict[str, float] = {}
+    for role, sec in res.cpu_by_pid.values():
+        by_role[role] = by_role.get(role, 0.0) + sec
+    return by_role
+
+
+# --------------------------------------------------------------------------- relays
+def relay_nodes(nodes: int, relays: int) -> list[int]:
+    """The relay each node connects to: node i below relay floor(i * relays / nodes), so
+    the nodes split in order and as evenly as they divide."""
+    return [i * relays // nodes for i in range(nodes)]
+
+
+def round_rows(res: Finished) -> list[dict[str, Any]]:
+    """Per aggregation, from the server's metrics: its time, the bytes into the server
+    (`bytes_up`) and the messages that carried them (`messages_up`: the round's on-time
+    updates and relays' merged updates), the merged ones and the clients aggregated."""
+    return [{"round": r["round"], "round_ms": r["round_s"] * 1000,
+             "bytes_up": int(r["bytes_up"]), "messages_up": int(r["messages_up"]),
+             "merged": int(r.get("merged", 0)), "updates": int(r["updates"])}
+            for r in sorted(res.records, key=lambda r: r["round"])]
+
+
+def _side(res: Finished, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    steady = [x["round_ms"] for x in rows[1:]] or [x["round_ms"] for x in rows]
+    roles = {pid: role for pid, (role, _) in res.cpu_by_pid.items()}
+    rss_by_role: dict[str, list[int]] = {}
+    for pid, rss in sorted(res.peak_rss_by_pid.items(), key=lambda x: -x[1]):
+        rss_by_role.setdefault(roles.get(pid, "?"), []).append(rss)
+    return {"first_round_ms": rows[0]["round_ms"],
+            "round_ms_median": statistics.median(steady),
+            "round_ms_mean": statistics.mean(steady), "round_ms_max": max(steady),
+            "rounds_completed": res.summary["rounds_completed"],
+            "bytes_up_per_round": statistics.mean(x["bytes_up"] for x in rows),
+            "messages_up_per_round": statistics.mean(x["messages_up"] for x in rows),
+            "merged_per_round": statistics.mean(x["merged"] for x in rows),
+            "bytes_up": res.summary["bytes_up"], "bytes_down": res.summary["bytes_down"],
+            "peak_rss_total": res.peak_rss, "peak_pss_total": res.peak_pss,
+            "peak_rss_by_role": rss_by_role, "cpu_s_by_role": cpu_by_role(res),
+            "wall_s": res.wall_s, "per_round": rows}
+
+
+RATIOS = ("first_round_ms", "round_ms_median", "round_ms_mean", "bytes_up_per_round",
+          "messages_up_per_round", "peak_rss_total", "peak_pss_total")
+
+
+def compare_relays(flat: Finished, tree: Finished, relays: int, nodes: int) -> dict[str, Any]:
+    """The --json "relays" entry: the relayed run's figures, the flat run's on the same
+    footing ("flat"), and relays / flat for each of RATIOS."""
+    out = {"relays": relays,
+           "nodes_per_relay": [relay_nodes(nodes, relays).count(j) for j in range(relays)],
+           **_side(tree, round_rows(tree))}
+    out["flat"] = _side(flat, round_rows(flat))
+    out["ratio"] = {k: out[k] / out["flat"][k] if out["flat"][k] else math.nan
+                    for k in RATIOS}
+    return out
+
+
+def print_relays(fig: dict[str, Any]) -> None:
+    flat, ratio = fig["flat"], fig["ratio"]
+    per = sorted(set(fig["nodes_per_relay"]))
+    print(f"fedbus bench rounds: the same federation through {fig['relays']} relays "
+          f"(`fedbus relay`, each with its own site broker; "
+          f"{'-'.join(map(str, per))} node(s) each)")
+    print(f"  {'':34}{'flat':>12}{'relays':>12}{'relays/flat':>13}")
+
+    def row(label: str, key: str, fmt: str, scale: float | None = None) -> None:
+        def show(value):
+            return format(value * scale if scale else value, fmt)
+
+        r = f"{ratio[key]:.3g}x" if key in ratio else ""
+        print(f"  {label:34}{show(flat[key]):>12}{show(fig[key]):>12}{r:>13}")
+
+    row("first round (builds clients), ms", "first_round_ms", ".1f")
+    row("per round, median of the rest, ms", "round_ms_median", ".1f")
+    row("per round, mean of the rest, ms", "round_ms_mean", ".1f")
+    row("bytes into the server a round", "bytes_up_per_round", ",.0f")
+    row("messages into the server a round", "messages_up_per_round", ".1f")
+    row("merged updates a round", "merged_per_round", ".1f")
+    row("rounds completed", "rounds_completed", "d")
+    row("peak RSS, all processes, GiB", "peak_rss_total", ".2f", scale=2**-30)
+    row("peak PSS, all processes, GiB", "peak_pss_total", ".2f", scale=2**-30)
+    for role, note in (("relay", ""), ("broker", "  (the server's broker and the site brokers)")):
+        if fig["peak_rss_by_role"].get(role):
+            print(f"  {f'peak RSS per {role}, relays run':34}"
+                  f"{', '.join(f'{r / 2**20:.0f}' for r in fig['peak_rss_by_role'][role])} MiB"
+                  + note)
+    for side, label in ((flat, "flat"), (fig, "relays")):
+        print(f"  {f'CPU seconds, whole run, {label}':34}" + ", ".join(
+            f"{role} {sec:.1f}" for role, sec in
+            sorted(side["cpu_s_by_role"].items(), key=lambda x: -x[1])))
+    print(f"  {'wall time incl. start-up, s':34}{flat['wall_s']:12.1f}{fig['wall_s']:12.1f}")
+
+
+def serve_tree(config_path: Path, run_dir: Path, relays: int, level: str = "warning") -> int:
+    """The relays run's launcher: `fedbus run`'s federation (its broker, server and
+    nodes, the same client groups, started the same way) with `relays` `fedbus relay`
+    processes between the server's broker and the nodes; node i connects to the site
+    broker of relay relay_nodes(...)[i]. Returns when the server is done, every process
+    stopped (also on failure or Ctrl-C)."""
+    from fedbus.launch.devices import assign, format_ids, split_clients, visible_gpus
+    from fedbus.launch.processes import Federation, preload, start_method
+    from fedbus.launch.run_cmd import catch_interrupt, free_port, supervise
+    from fedbus.node.config import load_config
+    from fedbus.node.setup import federated_data
+
+    cfg = load_config(config_path)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    groups = split_clients(cfg.federation.clients, cfg.launch.nodes,
+                           [len(p.train) for p in federated_data(cfg).parts])
+    if not 0 < relays <= len(groups):
+        print(f"fedbus bench rounds: {relays} relays for {len(groups)} nodes", file=sys.stderr)
+        return 2
+    placements, _ = assign(len(groups), cfg.launch.devices, visible_gpus())
+    method = start_method(cfg.launch.start, [p.device for p in placements])
+    fed = Federation(run_dir, level, method)
+    hb = ["--heartbeat-s", str(cfg.bus.heartbeat_s), "--liveness", str(cfg.bus.liveness)]
+    frame = ["--max-frame-mb", str(cfg.bus.max_frame_mb)]
+    address = f"tcp://127.0.0.1:{free_port()}"
+    interrupted, restore = catch_interrupt()
+    try:
+        fed.spawn("broker", ["broker", "--bind", address, *hb, *frame], method="exec")
+        if method == "fork":
+            preload(cfg)
+        fed.spawn("server", ["server", "--broker", address, str(run_dir / "config.json"),
+                             "--out", str(run_dir)])
+        sites = []
+        for j in range(relays):
+            sites.append(f"tcp://127.0.0.1:{free_port()}")
+            fed.spawn(f"relay-{j}", ["relay", "--upstream", address, "--bind", sites[j],
+                                     "--name", f"relay-{j}", *hb, *frame])
+        for i, (ids, place, j) in enumerate(zip(groups, placements,
+                                               relay_nodes(len(groups), relays))):
+            fed.spawn(f"node-{i}", ["node", "--broker", sites[j], "--clients", format_ids(ids),
+                                    "--device", place.device, "--name", f"node-{i}", *hb],
+                      env=place.env)
+        return supervise(fed, run_dir, cfg, quiet=True, say=lambda *a: None,
+                         interrupted=interrupted)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        fed.stop()
+        restore()
+
+
+def _tree_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m fedbus.bench.rounds",
+                                description="the launcher of `fedbus bench rounds --relays`")
+    p.add_argument("config")
+    p.add_argument("--out", required=True)
+    p.add_argument("--relays", type=int, required=True)
+    p.add_argument("--log-level", default="warning")
+    a = p.parse_args(argv)
+    return serve_tree(Path(a.config), Path(a.out), a.relays, a.log_level)
 
 
 # --------------------------------------------------------------------------- the floor
@@ -205,3 +391,7 @@ def raw_zmq_floor(tasks: int, nodes: int, down_bytes: int, up_bytes: int, *,
         sock.close()
         ctx.term()
     return statistics.median(times[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(_tree_main(sys.argv[1:]))
