@@ -276,15 +276,18 @@ class Engine:
         # A node that registers again with another client list (a relay whose nodes came
         # or went, fedbus.node.relay) no longer hosts the clients it left out.
         gone = set(self.nodes.get(node, ())) - set(ids)
+        finished: list[Out] = []
         if gone:
             self.live.difference_update(gone)
             self._fail_clients(gone, "dead")
+            finished = self._finish_answered_evals(now)
         self.nodes[node] = ids
         for c in gone:
             self.host.pop(c, None)
         self.host.update(dict.fromkeys(ids, node))
         self.events.append({"event": "join", "node": node, "clients": len(ids)})
-        return [Out("config", node, -1, {"run": self.run_id, "config": self.cfg.to_dict()})]
+        return [Out("config", node, -1, {"run": self.run_id, "config": self.cfg.to_dict()}),
+                *finished]
 
     def on_configured(self, node: str, run: str, now: float) -> list[Out]:
         ids = self.nodes.get(node)
@@ -304,7 +307,16 @@ class Engine:
                 del self.host[c]
         self._fail_clients(set(ids), "dead")
         self.events.append({"event": "leave", "node": node, "clients": len(ids)})
-        return self._progress(now)
+        return self._finish_answered_evals(now) + self._progress(now)
+
+    def _finish_answered_evals(self, now: float) -> list[Out]:
+        """Finish each evaluation whose remaining clients have all answered, now that some
+        are gone: nothing more can arrive for it before its deadline."""
+        out: list[Out] = []
+        for eid in [e for e, ev in self.evals.items() if ev.expected <= set(ev.results)]:
+            if eid in self.evals:
+                out += self._finish_eval(eid, now)
+        return out
 
     def _fail_clients(self, clients: set[int], reason: str) -> None:
         if any(self.busy[c] for c in clients):
