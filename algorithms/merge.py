@@ -72,7 +72,11 @@ def _add(into: dict[str, Any], part: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(v, Mapping):
             _add(into[k], v)
         else:
-            into[k] = into[k] + np.asarray(v, dtype=np.float64)
+            v = np.asarray(v, dtype=np.float64)
+            if v.shape != into[k].shape:  # never broadcast: a wrong shape is not merged
+                raise ValueError(f"sum forms differ in {k!r}: {v.shape} against "
+                                 f"{into[k].shape}")
+            into[k] = into[k] + v
     return into
 
 
@@ -111,10 +115,12 @@ class PrototypeSums(MergeRule):
 
     def lift(self, payload, num_samples, work, params, client=-1):
         counts = np.asarray(payload["counts"], dtype=np.float64)
+        protos = np.asarray(payload["protos"], dtype=np.float64)
+        if counts.ndim != 1 or protos.ndim != 2 or protos.shape[0] != counts.shape[0]:
+            raise ValueError(f"protos {protos.shape} do not pair with counts {counts.shape}")
         by_count = params.get(self.by_count_param) == self.by_count_value
         a = np.where(counts > 0, counts if by_count else 1.0, 0.0)
-        return {"sums": a[:, None] * np.asarray(payload["protos"], dtype=np.float64),
-                "mass": a}
+        return {"sums": a[:, None] * protos, "mass": a}
 
     def spec(self, handler):
         c, d = handler.ctx.num_classes, handler.ctx.feature_dim

@@ -77,6 +77,7 @@ def main(args: argparse.Namespace) -> int:
     name = curve_up.name if curve_up else args.name or \
         f"relay-{socket.gethostname()}-{os.getpid()}"
     setup_logging(args, name)
+    from fedbus.broker.peer import PeerError
     from fedbus.node.relay import Relay, spawn_site_broker
 
     broker = None
@@ -95,6 +96,13 @@ def main(args: argparse.Namespace) -> int:
                   merge=not args.no_merge)
     try:
         return relay.serve()
+    except PeerError as err:
+        if broker is not None and broker.poll() is not None:
+            print(f"fedbus relay: the site broker for {args.bind} exited with code "
+                  f"{broker.returncode} (its log line above says why)", file=sys.stderr)
+        else:
+            print(f"fedbus relay: {err}", file=sys.stderr)
+        return 2
     finally:
         if broker is not None:
             broker.terminate()

@@ -43,6 +43,7 @@ from fedbus.broker.peer import Peer
 from fedbus.broker.wire import BROADCAST, BROKER, SERVER, Message
 from fedbus.node.config import build_config
 from fedbus.node.engine import client_index
+from fedbus.node.validate import non_finite
 
 log = get_logger("fedbus.relay")
 
@@ -268,7 +269,8 @@ class Relay:
         body, address = msg.body, msg.src
         g = self.groups.get(self.group_of.get(address, -2))
         if g is None or g.closed or g.tasks.get(address) != body.get("task"):
-            if g is not None and g.closed and g.tasks.get(address) == body.get("task"):
+            if any(old.closed and old.tasks.get(address) == body.get("task")
+                   for old in self.groups.values()):
                 self.stats["late_forwarded"] += 1
             self.stats["forwarded_updates"] += 1
             self._up_send("update", body, src=address, round=msg.round)
@@ -278,7 +280,9 @@ class Relay:
         form = None
         try:
             work = Work.from_dict(body["work"])
-            if body.get("version") == g.version:
+            # one client's NaN must not sink its site's merged update: sent alone, only
+            # that client's update is rejected by the server
+            if body.get("version") == g.version and not non_finite(body["payload"]):
                 form = self.rule.lift(body["payload"], int(body["num_samples"]), work,
                                       self.params, client_index(address))
         except (KeyError, TypeError, ValueError) as err:
@@ -291,6 +295,7 @@ class Relay:
                 g.total = self.rule.add(g.total, form)
             except (KeyError, ValueError) as err:  # a wrong shape: the server judges it
                 log.warning("update not merged: shape", client=address, error=str(err))
+                self.stats["forwarded_updates"] += 1
                 self._up_send("update", body, src=address, round=msg.round)
             else:
                 g.members.append([address, int(body["task"]), int(body["num_samples"]),

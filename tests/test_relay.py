@@ -300,3 +300,31 @@ def test_fedavg_does_not_merge_partial_work_it_is_told_to_drop():
     assert rule.lift(payload, 5, partial, {"partial": "drop"}) is None
     form = rule.lift(payload, 5, partial, {"partial": "tolerate"})
     assert form["mass"].tolist() == [5.0] and form["delta_sum"]["w"].tolist() == [[5, 5], [5, 5]]
+
+
+def test_an_evaluation_ends_when_the_clients_it_still_waits_for_are_gone():
+    engine, tasks = _engine()
+    for t in tasks[:4]:
+        dispatch(engine, _update(t), 1.0)
+    outs = []
+    for t in tasks[4:]:
+        outs += dispatch(engine, _update(t), 1.5)
+    evals = [o for o in outs if o.kind == "eval"]
+    assert len(evals) == 6 and engine.evals
+    for o in evals[:4]:  # the relay's clients answer; n's two never will
+        engine.on_eval_result(o.dst, {"eval": o.body["eval"], "metrics": {"acc": 1.0}}, 2.0)
+    assert engine.evals
+    outs = engine.on_leave("n", [], 3.0)  # without it, the evaluation waits for its deadline
+    assert not engine.evals and engine.records[-1]["eval_clients"] == 4
+    assert [o.kind for o in outs] == ["task"] * 4 and engine.round.round == 1
+
+
+def test_merge_rules_refuse_shapes_that_would_broadcast():
+    rule = PrototypeSums()
+    good = rule.lift({"protos": np.ones((3, 4), np.float32), "counts": np.ones(3, np.int64)},
+                     1, Work(1, 1.0, 1, 1), {"aggregate": "weighted"})
+    with pytest.raises(ValueError):
+        rule.lift({"protos": np.ones(4, np.float32), "counts": np.ones(3, np.int64)},
+                  1, Work(1, 1.0, 1, 1), {})
+    with pytest.raises(ValueError):
+        rule.add(rule.add(None, good), {"sums": np.ones((1, 4)), "mass": np.ones(3)})
