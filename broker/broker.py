@@ -35,6 +35,7 @@ import zmq
 
 from . import wire
 from .log import get_logger
+from .peer import connection_peer, receive_idle_s
 from .wire import BROADCAST, BROKER, DEFAULT_MAX_FRAME, SERVER, WireError
 
 __all__ = ["Broker", "Node"]
@@ -54,9 +55,11 @@ class Node:
     __slots__ = (
         "blocked_at",
         "clients",
+        "fd",
         "is_server",
         "last_seen",
         "name",
+        "peer",
         "pending",
         "pending_bytes",
         "rcache",
@@ -65,6 +68,7 @@ class Node:
         "run",
         "since",
         "sources",
+        "transit_noted",
     )
 
     def __init__(self, name: str, rid: bytes, role: str, clients: tuple[str, ...], run: str,
@@ -85,6 +89,11 @@ class Node:
         # header prefix (kind, src, dst, run) -> the node it routes to; only for messages this
         # node may send, cleared whenever the routing table changes
         self.rcache: dict[bytes, Node] = {}
+        # its connection (libzmq's fd, the far end), refreshed by its heartbeats: a node
+        # silent for the limit while data still arrives on it is sending a long message
+        self.fd: int | None = None
+        self.peer = None
+        self.transit_noted = 0.0  # last_seen when that was last logged
 
     def __repr__(self) -> str:
         return f"Node({self.name!r}, {self.role}, {len(self.clients)} clients)"
@@ -559,6 +568,7 @@ class Broker:
     def process_node(self, node: Node, kind: str, src: str, seq: int, body) -> None:
         """A message from a registered node to the broker itself."""
         if kind == "heartbeat":
+            self._note_connection(node, body)
             return
         if kind == "register":
             self.register(node.rid, src, body)
@@ -660,6 +670,7 @@ class Broker:
             if node.pending:
                 self.backlogged.add(node)
         self.nodes[rid] = node
+        self._note_connection(node, body_frame)
         self._routes_changed()
         self.routes[name] = node
         for c in clients:
@@ -745,13 +756,35 @@ class Broker:
             self.send_to(node.rid, self._msg("heartbeat", node.name, None))
 
     def purge_dead(self) -> None:
-        """Purge every node silent for heartbeat_s * liveness."""
+        """Purge every node silent for heartbeat_s * liveness: no whole message from it, and
+        no data arriving on its connection either (a message that takes longer than that on
+        the wire, a model over a slow link, is not silence)."""
         limit = self.heartbeat_s * self.liveness
         now = time.monotonic()
         for node in list(self.nodes.values()):
             if now - node.last_seen > limit:
+                idle = receive_idle_s(node.fd, node.peer)
+                if idle is not None and idle < limit:
+                    if node.transit_noted != node.last_seen:
+                        node.transit_noted = node.last_seen
+                        self.log.info("node silent but its data still arriving: a long "
+                                      "message in transit", node=node.name,
+                                      silent_s=round(now - node.last_seen, 1), data_idle_s=idle)
+                    continue
                 self.now = now
                 self.unregister(node, "purged")
+
+    @staticmethod
+    def _note_connection(node: Node, frame) -> None:
+        """Remember the connection a node's messages come in on (a received frame's SRCFD
+        and that socket's far end)."""
+        try:
+            fd = frame.get(zmq.SRCFD)
+        except (zmq.ZMQError, AttributeError):
+            return
+        if fd != node.fd:
+            node.fd = fd
+            node.peer = connection_peer(fd)
 
     # ------------------------------------------------------------------ refusals
     def unknown_destination(self, node: Node, hdr: bytes, body, kind: str, src: str, dst: str,

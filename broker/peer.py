@@ -5,6 +5,12 @@ number and encodes in the calling thread) and ``recv`` (a queue). The I/O thread
 heartbeats, acknowledges, drops duplicates, and -- when the broker goes silent for
 heartbeat_s x liveness -- closes the socket, reconnects with exponential backoff (1 s doubling
 to 32 s), re-registers and resends every message not acknowledged yet. See PROTOCOL.md §6.
+
+Silent means no bytes, not no whole message: a message takes as long as its size over the
+link's rate to arrive (a 750 kB model over 1 Mbit/s: 6 s), and messages queued behind it
+wait, heartbeats included. So while the kernel says data still arrives on the connection
+(``receive_idle_s``, Linux's TCP_INFO), a long silence between whole messages is a message
+in transit, not a lost broker; the broker purges nodes by the same rule.
 """
 from __future__ import annotations
 
@@ -12,6 +18,8 @@ import itertools
 import os
 import queue
 import random
+import socket
+import struct
 import threading
 import time
 from collections import deque
@@ -24,7 +32,7 @@ from . import wire
 from .log import get_logger
 from .wire import BROADCAST, BROKER, DEFAULT_MAX_FRAME, SERVER, Message, WireError
 
-__all__ = ["Peer", "PeerError"]
+__all__ = ["Peer", "PeerError", "connection_peer", "receive_idle_s"]
 
 # kinds the runtime handles itself; the application never sends or receives them
 _INTERNAL_KINDS = frozenset({"register", "ready", "heartbeat", "ack"})
@@ -41,6 +49,54 @@ _IDLE, _REGISTERING, _READY, _DISCONNECTED, _CLOSED_STATE = (
 
 class PeerError(RuntimeError):
     """The broker refused this node, or did not answer in time."""
+
+
+# Linux's struct tcp_info: tcpi_last_data_recv, milliseconds since data last arrived (pure
+# acks do not count), is the u32 at byte 52 (after 8 one-byte fields and rto, ato, snd_mss,
+# rcv_mss, unacked, sacked, lost, retrans, fackets, last_data_sent, last_ack_sent).
+_TCP_INFO = getattr(socket, "TCP_INFO", None)
+_TCP_INFO_LEN = 104
+_LAST_DATA_RECV = 52
+
+
+def connection_peer(fd: int | None):
+    """The far end (address, port) of the socket with file descriptor fd, or None."""
+    if fd is None or fd < 0:
+        return None
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return None
+    try:
+        return sock.getpeername()
+    except OSError:
+        return None
+    finally:
+        sock.detach()  # the descriptor is libzmq's: never close it
+
+
+def receive_idle_s(fd: int | None, peer) -> float | None:
+    """Seconds since the TCP connection on file descriptor fd (libzmq's, from a received
+    frame's SRCFD) last received data, as the kernel counts them; None when that cannot be
+    told: no fd, no TCP_INFO (not Linux), not a TCP socket, or fd no longer the connection
+    to `peer` (libzmq closed it, and the number may name another file since)."""
+    if _TCP_INFO is None or fd is None or fd < 0 or peer is None:
+        return None
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return None
+    try:
+        if sock.getpeername() != peer:
+            return None
+        info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, _TCP_INFO_LEN)
+    except OSError:
+        return None
+    finally:
+        sock.detach()  # the descriptor is libzmq's: never close it
+    if len(info) < _LAST_DATA_RECV + 4:
+        return None
+    return struct.unpack_from("=I", info, _LAST_DATA_RECV)[0] / 1000.0
 
 
 class _Out:
@@ -166,6 +222,12 @@ class Peer:
         # node covers all its clients instead of one per client
         self._host: dict[str, str] = {}
         self._last_rx = 0.0
+        # the connection the broker's messages arrive on (fd, far end), to tell a long
+        # message in transit from a lost broker; and when the silence is looked at next
+        self._rx_fd: int | None = None
+        self._rx_peer = None
+        self._next_silence_check = 0.0
+        self._transit_noted = 0.0
         self._last_tx = 0.0
         self._register_sent = 0.0
         self._reconnect_at = 0.0
@@ -401,7 +463,7 @@ class Peer:
         t = now + 0.1  # closing/wake-ups are also signalled, this is only a safety net
         if self._state == _DISCONNECTED:
             return min(t, self._reconnect_at)
-        t = min(t, self._last_rx + self._silence_limit())
+        t = min(t, max(self._last_rx + self._silence_limit(), self._next_silence_check))
         if self._state == _READY:  # heartbeats and acks go out only when registered
             t = min(t, self._last_tx + min(self.heartbeat_s, self._broker_hb))
             if self._acks:
@@ -428,6 +490,8 @@ class Peer:
         self._backlog.clear()
         now = time.monotonic()
         self._last_rx = now
+        self._rx_fd = self._rx_peer = None
+        self._next_silence_check = 0.0
         self._register()
 
     def _register(self) -> None:
@@ -576,7 +640,10 @@ class Peer:
                 self._bad(f"body frame of {len(body)} bytes exceeds max_frame={self.max_frame}")
                 continue
             if src == BROKER:
+                self._note_connection(hf)
                 self._from_broker(kind, dst, run, rnd, inc, ts, hdr, body)
+                if self._sock is not sock:  # that message dropped the connection (_lost)
+                    return
             elif kind == "ack":
                 self._on_ack(src, body)
             elif kind in _INTERNAL_KINDS or kind in _BROKER_KINDS:
@@ -627,6 +694,17 @@ class Peer:
                 st[0] = keep[len(keep) // 2]
                 st[1] = set(keep[len(keep) // 2 + 1:])
         return False
+
+    def _note_connection(self, frame) -> None:
+        """Remember the connection the broker's messages come in on (the SRCFD of one of its
+        frames, and that socket's far end), for the silence check in _timers."""
+        try:
+            fd = frame.get(zmq.SRCFD)
+        except (zmq.ZMQError, AttributeError):
+            return
+        if fd != self._rx_fd:
+            self._rx_fd = fd
+            self._rx_peer = connection_peer(fd)
 
     def _from_broker(self, kind, dst, run, rnd, inc, ts, hdr, body_frame) -> None:
         if kind == "heartbeat":
@@ -804,9 +882,19 @@ class Peer:
                 self.log.info("reconnecting", endpoint=self.endpoint)
                 self._connect()
             return
-        if now - self._last_rx > self._silence_limit():
-            self._lost(f"no traffic for {now - self._last_rx:.1f} s")
-            return
+        limit = self._silence_limit()
+        if now - self._last_rx > limit and now >= self._next_silence_check:
+            idle = receive_idle_s(self._rx_fd, self._rx_peer)
+            if idle is None or idle >= limit:
+                self._lost(f"no traffic for {now - self._last_rx:.1f} s")
+                return
+            # bytes still arrive: a message longer than the limit is on its way
+            if self._transit_noted != self._last_rx:
+                self._transit_noted = self._last_rx
+                self.log.info("no whole message from the broker, but data still arriving: "
+                              "a long message in transit", silent_s=round(now - self._last_rx, 1),
+                              data_idle_s=idle)
+            self._next_silence_check = now + min(self.heartbeat_s, limit - idle)
         if st == _READY:
             if self._acks and now >= self._next_ack:
                 self._flush_acks()
