@@ -204,14 +204,23 @@ class ServerNode:
                  mode=cfg.federation.mode, clients=cfg.federation.clients,
                  rounds=cfg.federation.rounds)
         engine = self.engine
+        # A deadline that passed and was ticked with nothing received since: a round past
+        # its deadline still short of min_updates (the broker down, say), or a start
+        # timeout with too few clients, stays the next deadline until a message comes, and
+        # ticking it again changes nothing: tick it twice a second, not in a busy loop.
+        ticked = None
         try:
             while not engine.done:
                 deadline = engine.next_deadline()
-                wait = 0.5 if deadline is None else max(0.0, min(0.5, deadline - time.time()))
+                if deadline is None or deadline == ticked:
+                    wait = 0.5
+                else:
+                    wait = max(0.0, min(0.5, deadline - time.time()))
                 msg = peer.recv(timeout=wait)
                 now = time.time()
                 version = engine.version
                 if msg is not None:
+                    ticked = None
                     if self.msglog is not None:
                         self.msglog.write("in", now, msg.frames, _header(msg))
                     outs = dispatch(engine, msg, now)
@@ -219,6 +228,7 @@ class ServerNode:
                     if self.msglog is not None:
                         self.msglog.write("tick", now, [])
                     outs = engine.on_tick(now)
+                    ticked = None if outs else deadline
                 else:
                     outs = []
                 self._send(peer, outs)
