@@ -270,7 +270,7 @@ class Peer:
             raise PeerError(self._start_error)
 
     def send(self, kind: str, dst: str, body: Any, *, src: str | None = None,
-             round: int = -1) -> Message:
+             round: int = -1, encoded: Any = None) -> Message:
         """Queue a message for dst; returns it with seq/inc/ts/run and .frames set.
 
         Thread-safe and non-blocking: the body is encoded here, in the calling thread; the I/O
@@ -291,7 +291,10 @@ class Peer:
         if self.role == "client" and dst != SERVER:
             raise ValueError(f"a client node may address only 'server', not {dst!r}")
         msg = Message(kind, src, dst, body, run=self.run, round=round, inc=self.inc)
-        body_bytes = wire.encode_body(body)  # the expensive part, outside the lock
+        # the expensive part, outside the lock; a relay forwarding a body unchanged passes
+        # the body frame it received (`encoded`, the encoding of `body`): a copy, no encoding
+        body_bytes = wire.encode_body(body) if encoded is None else \
+            wire.frame_view(encoded).tobytes()
         with self._lock:
             counter = self._seqs.get(src)
             if counter is None:

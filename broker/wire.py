@@ -42,6 +42,7 @@ __all__ = [
     "body_digest",
     "decode",
     "decode_body",
+    "frame_view",
     "decode_header",
     "encode",
     "encode_body",
@@ -477,6 +478,11 @@ def _packb(obj, default) -> bytes:
         raise
     except (TypeError, ValueError, OverflowError, RecursionError) as e:
         raise WireError(f"cannot encode body: {type(e).__name__}: {e}") from None
+
+
+def frame_view(buf) -> memoryview:
+    """A received frame (zmq.Frame, bytes, memoryview) as a flat byte view, no copy."""
+    return _view(buf)
 
 
 def _view(buf) -> memoryview:

@@ -163,7 +163,7 @@ class Relay:
         elif kind == "task" and isinstance(body, dict):
             self.on_task(msg)
         elif kind in ("eval", "error") and msg.dst != self.name:
-            self.down.send(kind, msg.dst, body, round=msg.round)
+            self.down.send(kind, msg.dst, body, round=msg.round, encoded=msg.frames[1])
         elif kind == "shutdown":
             self.down.send("shutdown", BROADCAST, body, round=msg.round)
             log.info("shutdown", reason=(body or {}).get("reason") if isinstance(body, dict)
@@ -214,7 +214,8 @@ class Relay:
                     del self.groups[r]  # rounds long gone
             g.tasks[address] = int(body["task"])
             self.group_of[address] = msg.round
-        self.down.send("task", address, body, round=msg.round)
+        # the body as it came: re-encoding a task (the global weights) costs 80x a copy
+        self.down.send("task", address, body, round=msg.round, encoded=msg.frames[1])
 
     # --- from the site's nodes ------------------------------------------------------
 
