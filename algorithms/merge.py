@@ -59,6 +59,11 @@ class MergeRule:
         """Why a merged payload does not fit its members (beyond its spec), or None."""
         return None
 
+    def grows_by(self, form: Mapping[str, Any]) -> int:
+        """Bytes a sum form gains when `form` is added: 0 for a sum (its shapes are fixed);
+        a rule that carries its members' arrays along (DeltaSumsAndPool) says how many."""
+        return 0
+
 
 def _copy(tree: Mapping[str, Any]) -> dict[str, Any]:
     return {k: _copy(v) if isinstance(v, Mapping) else
@@ -181,6 +186,9 @@ class DeltaSumsAndPool(DeltaSums):
     def scaled(self, form, w):
         return {**_scaled(self.form_of(form), w), "pool": form["pool"]}
 
+    def grows_by(self, form):
+        return form_nbytes(form["pool"])
+
     def spec(self, handler):
         c, k, d = handler.ctx.num_classes, int(handler.param("k")), handler.ctx.feature_dim
         return {**super().spec(handler), "pool": {
@@ -208,6 +216,12 @@ class ArraySums(MergeRule):
     def spec(self, handler):
         _, shape = handler.update_spec()["state"]
         return {"state": ("float64", shape), "mass": ("float64", (1,))}
+
+
+def form_nbytes(tree: Mapping[str, Any]) -> int:
+    """Bytes of a sum form's arrays."""
+    return sum(form_nbytes(v) if isinstance(v, Mapping) else np.asarray(v).nbytes
+               for v in tree.values())
 
 
 def members_of(updates: list[ClientUpdate]) -> list[ClientUpdate]:

@@ -38,6 +38,7 @@ from typing import Any
 from fedbus.algorithms import get_algorithm
 from fedbus.algorithms.base import Work
 from fedbus.algorithms.local import resolved_params
+from fedbus.algorithms.merge import form_nbytes
 from fedbus.broker.log import get_logger
 from fedbus.broker.peer import Peer
 from fedbus.broker.wire import BROADCAST, BROKER, SERVER, Message
@@ -60,6 +61,7 @@ class Group:
     done: set[str] = field(default_factory=set)  # answered (merged or forwarded) or failed
     members: list[list[Any]] = field(default_factory=list)  # [address, task, n, work]
     total: dict[str, Any] | None = None  # the rule's sum form
+    total_bytes: int = 0  # its arrays' bytes
     closed: bool = False
 
     def complete(self) -> bool:
@@ -99,6 +101,7 @@ class Relay:
         self.stats = {"merged_sent": 0, "merged_clients": 0, "forwarded_updates": 0,
                       "late_forwarded": 0, "tasks": 0}
         self._running = False
+        self._too_large_noted = False
 
     # --- the loop -----------------------------------------------------------------
 
@@ -288,10 +291,22 @@ class Relay:
                                       self.params, client_index(address))
         except (KeyError, TypeError, ValueError) as err:
             log.warning("update not merged: malformed", client=address, error=str(err))
+        size = 0 if form is None else form_nbytes(form)
+        if form is not None and self._frame_room(size, 1) < 0:
+            # a float64 sum of a large model (ResNet-18's 45 MB of float32 is 89 MB) would
+            # exceed the bus's frame limit, which the broker drops: such updates go up alone
+            if not self._too_large_noted:
+                self._too_large_noted = True
+                log.warning("updates not merged: their sum form exceeds the frame limit",
+                            sum_bytes=size, max_frame=self.max_frame)
+            form = None
         if form is None:  # the rule keeps it apart, or the server is to judge it
             self.stats["forwarded_updates"] += 1
             self._up_send("update", body, src=address, round=msg.round)
         else:
+            if g.total is not None and self._frame_room(
+                    g.total_bytes + self.rule.grows_by(form), len(g.members) + 1) < 0:
+                self._send_merged(g)  # a growing sum form (MP-FedCL's pool) is full: send it
             try:
                 g.total = self.rule.add(g.total, form)
             except (KeyError, ValueError) as err:  # a wrong shape: the server judges it
@@ -299,10 +314,17 @@ class Relay:
                 self.stats["forwarded_updates"] += 1
                 self._up_send("update", body, src=address, round=msg.round)
             else:
+                g.total_bytes = size if not g.members else \
+                    g.total_bytes + self.rule.grows_by(form)
                 g.members.append([address, int(body["task"]), int(body["num_samples"]),
                                   work.to_dict()])
         if g.complete():
             self.flush(g)
+
+    def _frame_room(self, form_bytes: int, members: int) -> int:
+        """Bytes left under the frame limit for a merged update of this size (its member
+        list ~ 128 B a member, and 64 KiB for the rest of the message); < 0: too big."""
+        return self.max_frame - form_bytes - 128 * members - (64 << 10)
 
     def _failed(self, address: str) -> None:
         g = self.groups.get(self.group_of.pop(address, -2))
@@ -321,8 +343,11 @@ class Relay:
     def flush(self, g: Group) -> None:
         """Send the group's merged update (if any client's is in it) and close it."""
         g.closed = True
-        if not g.members:
-            return
+        if g.members:
+            self._send_merged(g)
+
+    def _send_merged(self, g: Group) -> None:
+        """One merged update of what the group holds; the group starts a new sum."""
         body = {"version": g.version, "rule": self.rule.name, "members": g.members,
                 "payload": g.total}
         self._up_send("merged", body, src=self.name, round=g.round)
@@ -330,7 +355,7 @@ class Relay:
         self.stats["merged_clients"] += len(g.members)
         log.info("merged update sent", round=g.round, clients=len(g.members),
                  tasks=len(g.tasks))
-        g.members, g.total = [], None
+        g.members, g.total, g.total_bytes = [], None, 0
 
     def _up_send(self, kind: str, body: Any, *, src: str, round: int) -> None:
         try:

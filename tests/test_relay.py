@@ -195,6 +195,35 @@ def test_a_node_below_a_relay_that_dies_is_dropped_and_its_restart_rejoins(tmp_p
     assert relay_log.count("node joined") >= 2 and "node left" in relay_log
 
 
+def test_updates_whose_sum_would_exceed_the_frame_limit_go_up_alone(tmp_path):
+    """ResNet-18-sized updates (the no-op's 45 MB of float32): their float64 sum, 89 MB,
+    would exceed the bus's 64 MiB frame limit and be dropped by the broker, so the relay
+    forwards each update as it is and says why."""
+    sections = merged(EQUIV, federation={"clients": 2, "rounds": 2},
+                      algorithm={"name": "noop", "payload": "resnet18"},
+                      launch={"nodes": 1})
+    d = tmp_path / "big"
+    d.mkdir()
+    procs = Processes(d)
+    broker, site = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    cfg, run = write_config(d / "cfg.toml", sections), d / "run"
+    try:
+        procs.start("broker", "broker", "--bind", broker, *FAST)
+        procs.start("server", "server", "--broker", broker, str(cfg), "--out", str(run))
+        procs.start("relay-0", "relay", "--upstream", broker, "--bind", site,
+                    "--name", "relay-0", *FAST)
+        procs.start("node-0", "node", "--broker", site, "--clients", "0-1", "--name", "n0",
+                    *FAST)
+        _finish(run, procs, "large-update")
+        relay_log = procs.log("relay-0")
+    finally:
+        procs.close()
+    recs = metrics(run)
+    assert [(r["merged"], r["messages_up"], r["participants"]) for r in recs] == \
+        [(0, 2, [0, 1])] * 2
+    assert "sum form exceeds the frame limit" in relay_log
+
+
 # --- the server's side of merged updates, event by event (a real engine, no sockets) ---
 
 WORK = {"epochs_asked": 1, "epochs_done": 1.0, "steps": 1, "samples": 1}
