@@ -35,7 +35,7 @@ import zmq
 
 from . import wire
 from .log import get_logger
-from .peer import connection_peer, receive_idle_s
+from .peer import noted_connection, receive_idle_s
 from .wire import BROADCAST, BROKER, DEFAULT_MAX_FRAME, SERVER, WireError
 
 __all__ = ["Broker", "Node"]
@@ -776,15 +776,8 @@ class Broker:
 
     @staticmethod
     def _note_connection(node: Node, frame) -> None:
-        """Remember the connection a node's messages come in on (a received frame's SRCFD
-        and that socket's far end)."""
-        try:
-            fd = frame.get(zmq.SRCFD)
-        except (zmq.ZMQError, AttributeError):
-            return
-        if fd != node.fd:
-            node.fd = fd
-            node.peer = connection_peer(fd)
+        """Remember the connection a node's messages come in on."""
+        node.fd, node.peer = noted_connection(frame, node.fd, node.peer)
 
     # ------------------------------------------------------------------ refusals
     def unknown_destination(self, node: Node, hdr: bytes, body, kind: str, src: str, dst: str,

@@ -24,6 +24,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import zmq
@@ -59,20 +60,35 @@ _TCP_INFO_LEN = 104
 _LAST_DATA_RECV = 52
 
 
+@contextmanager
+def _borrowed_socket(fd: int):
+    """libzmq's socket fd as a Python socket, for reading its state; raises OSError."""
+    sock = socket.socket(fileno=fd)
+    try:
+        yield sock
+    finally:
+        sock.detach()  # the descriptor is libzmq's: never close it
+
+
 def connection_peer(fd: int | None):
     """The far end (address, port) of the socket with file descriptor fd, or None."""
     if fd is None or fd < 0:
         return None
     try:
-        sock = socket.socket(fileno=fd)
+        with _borrowed_socket(fd) as sock:
+            return sock.getpeername()
     except OSError:
         return None
+
+
+def noted_connection(frame, fd: int | None, peer) -> tuple[int | None, Any]:
+    """(fd, far end) of the connection a received frame came in on (its SRCFD); the known
+    (fd, peer) when it is that one or cannot be told."""
     try:
-        return sock.getpeername()
-    except OSError:
-        return None
-    finally:
-        sock.detach()  # the descriptor is libzmq's: never close it
+        new = frame.get(zmq.SRCFD)
+    except (zmq.ZMQError, AttributeError):
+        return fd, peer
+    return (fd, peer) if new == fd else (new, connection_peer(new))
 
 
 def receive_idle_s(fd: int | None, peer) -> float | None:
@@ -83,17 +99,12 @@ def receive_idle_s(fd: int | None, peer) -> float | None:
     if _TCP_INFO is None or fd is None or fd < 0 or peer is None:
         return None
     try:
-        sock = socket.socket(fileno=fd)
+        with _borrowed_socket(fd) as sock:
+            if sock.getpeername() != peer:
+                return None
+            info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, _TCP_INFO_LEN)
     except OSError:
         return None
-    try:
-        if sock.getpeername() != peer:
-            return None
-        info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, _TCP_INFO_LEN)
-    except OSError:
-        return None
-    finally:
-        sock.detach()  # the descriptor is libzmq's: never close it
     if len(info) < _LAST_DATA_RECV + 4:
         return None
     return struct.unpack_from("=I", info, _LAST_DATA_RECV)[0] / 1000.0
@@ -699,15 +710,9 @@ class Peer:
         return False
 
     def _note_connection(self, frame) -> None:
-        """Remember the connection the broker's messages come in on (the SRCFD of one of its
-        frames, and that socket's far end), for the silence check in _timers."""
-        try:
-            fd = frame.get(zmq.SRCFD)
-        except (zmq.ZMQError, AttributeError):
-            return
-        if fd != self._rx_fd:
-            self._rx_fd = fd
-            self._rx_peer = connection_peer(fd)
+        """Remember the connection the broker's messages come in on, for the silence check
+        in _timers."""
+        self._rx_fd, self._rx_peer = noted_connection(frame, self._rx_fd, self._rx_peer)
 
     def _from_broker(self, kind, dst, run, rnd, inc, ts, hdr, body_frame) -> None:
         if kind == "heartbeat":

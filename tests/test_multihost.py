@@ -310,10 +310,10 @@ CUT_S = 20.0
 
 def test_node_host_cut_off_for_20_s_rejoins(tmp_path):
     nodes = {"n0": "0-2", "n1": "3-5"}
-    # Rounds of DEADLINE_S: 24 of them last >= 48 s, more than the cut and the node's
-    # reconnection (its backoff: at most ~10 s after the link is back) with rounds to spare,
-    # so the run ends with rounds that n1's clients take part in again.
-    rounds = 24
+    # Rounds of DEADLINE_S: 30 of them last >= 60 s, more than the cut and the node's
+    # reconnection (its backoff: at most ~11 s after the link is back, then its config) with
+    # rounds to spare under load, so the run ends with rounds n1's clients take part in again.
+    rounds = 30
     config = sections(PACED_ROUNDS, {"federation": {"rounds": rounds}})
     with Network(["broker", "server", *nodes], tmp_path / "net") as net:
         fed = Federation(net, tmp_path, nodes)
