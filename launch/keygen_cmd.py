@@ -115,6 +115,19 @@ def add_peer_curve_arguments(p: argparse.ArgumentParser) -> None:
                    help="the broker's public certificate (default KEYS_DIR/broker.key)")
 
 
+def named_peer_curve(args: argparse.Namespace, default_name: str):
+    """(PeerCurve or None, node name) for a command started with --name and the CURVE
+    options (`fedbus node`, `fedbus relay`): under CURVE the name is the key's, and a --name
+    that differs is an error; without keys it is --name, else `default_name`. Raises
+    fedbus.broker.auth.AuthError with what to do."""
+    from fedbus.broker.auth import AuthError
+
+    curve = peer_curve_from_args(args, default_key=args.name)
+    if curve is not None and args.name and args.name != curve.name:
+        raise AuthError(f"--name {args.name} differs from the key's name {curve.name}")
+    return curve, curve.name if curve else args.name or default_name
+
+
 def peer_curve_from_args(args: argparse.Namespace, *, default_key: str | None = None,
                          config_curve: bool = False, config_keys_dir: str = ""):
     """The PeerCurve the options (or the config's [bus] curve/keys_dir) ask for, or None for

@@ -15,7 +15,7 @@ import sys
 
 from fedbus.launch.common import add_log_arguments, setup_logging
 from fedbus.launch.devices import parse_ids
-from fedbus.launch.keygen_cmd import add_peer_curve_arguments, peer_curve_from_args
+from fedbus.launch.keygen_cmd import add_peer_curve_arguments, named_peer_curve
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,15 +67,10 @@ def main(args: argparse.Namespace) -> int:
     from fedbus.broker.auth import AuthError
 
     try:  # under CURVE the node's name is its key's
-        curve = peer_curve_from_args(args, default_key=args.name)
+        curve, name = named_peer_curve(args, f"{socket.gethostname()}-{os.getpid()}")
     except AuthError as err:
         print(f"fedbus node: {err}", file=sys.stderr)
         return 2
-    if curve is not None and args.name and args.name != curve.name:
-        print(f"fedbus node: --name {args.name} differs from the key's name {curve.name}",
-              file=sys.stderr)
-        return 2
-    name = curve.name if curve else args.name or f"{socket.gethostname()}-{os.getpid()}"
     setup_logging(args, name)
     try:
         clients = parse_ids(args.clients)

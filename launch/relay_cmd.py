@@ -24,7 +24,7 @@ import subprocess
 import sys
 
 from fedbus.launch.common import add_log_arguments, setup_logging
-from fedbus.launch.keygen_cmd import add_peer_curve_arguments, peer_curve_from_args
+from fedbus.launch.keygen_cmd import add_peer_curve_arguments, named_peer_curve
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -63,19 +63,13 @@ def main(args: argparse.Namespace) -> int:
     if not 0.0 < args.deadline_fraction <= 1.0:
         print("fedbus relay: --deadline-fraction must lie in (0, 1]", file=sys.stderr)
         return 2
-    try:
-        curve_up = peer_curve_from_args(args, default_key=args.name)
+    try:  # under CURVE the relay's name upstream is its key's
+        curve_up, name = named_peer_curve(args, f"relay-{socket.gethostname()}-{os.getpid()}")
         curve_down = (load_peer_curve(args.site_keys_dir, args.site_key)
                       if args.site_keys_dir else None)
     except AuthError as err:
         print(f"fedbus relay: {err}", file=sys.stderr)
         return 2
-    if curve_up is not None and args.name and args.name != curve_up.name:
-        print(f"fedbus relay: --name {args.name} differs from the key's name {curve_up.name}",
-              file=sys.stderr)
-        return 2
-    name = curve_up.name if curve_up else args.name or \
-        f"relay-{socket.gethostname()}-{os.getpid()}"
     setup_logging(args, name)
     from fedbus.broker.peer import PeerError
     from fedbus.node.relay import Relay, spawn_site_broker

@@ -142,6 +142,12 @@ class RoundState:
     def __post_init__(self) -> None:
         self.members = frozenset(self.sampled)
 
+    def count_up(self, nbytes: int, params: int) -> None:
+        """An update (or a relay's merged update) of this round reached the server."""
+        self.bytes_up += nbytes
+        self.messages_up += 1
+        self.params_up += params
+
     def pending(self) -> list[int]:
         return [c for c in self.sampled if c not in self.updates and c not in self.failures]
 
@@ -471,9 +477,7 @@ class Engine:
         r = self.round
         if r is not None and task.round == r.round and client in r.members:
             r.updates[client] = upd
-            r.bytes_up += nbytes
-            r.messages_up += 1
-            r.params_up += params
+            r.count_up(nbytes, params)
             return self._progress(now)
         # a straggler from an earlier round
         if self.fed.late == "fold":
@@ -539,9 +543,7 @@ class Engine:
             for u in members:
                 r.updates[u.client] = u
             r.merged.append(entry)
-            r.bytes_up += nbytes
-            r.messages_up += 1
-            r.params_up += params
+            r.count_up(nbytes, params)
             return self._progress(now)
         # a relay's group that missed its round: late, as its members would be
         if self.fed.late == "fold":
@@ -685,9 +687,7 @@ class Engine:
     def _async_update(self, upd: ClientUpdate, nbytes: int, params: int,
                       now: float) -> list[Out]:
         w = self.window
-        w.bytes_up += nbytes
-        w.messages_up += 1
-        w.params_up += params
+        w.count_up(nbytes, params)
         if self.version >= self.rounds:
             return []  # the last aggregation is done; the final evaluation is running
         if self.version - upd.version > self.fed.max_staleness:

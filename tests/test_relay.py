@@ -357,3 +357,16 @@ def test_merge_rules_refuse_shapes_that_would_broadcast():
                   1, Work(1, 1.0, 1, 1), {})
     with pytest.raises(ValueError):
         rule.add(rule.add(None, good), {"sums": np.ones((1, 4)), "mass": np.ones(3)})
+
+
+@pytest.mark.parametrize("command", ["node", "relay"])
+def test_a_name_that_is_not_the_keys_is_refused_before_anything_starts(tmp_path, command):
+    keys = tmp_path / "keys"
+    fedbus("keygen", "broker", "--dir", str(keys))
+    fedbus("keygen", "site-a", "--dir", str(keys), "--clients", "0-2")
+    where = ["--clients", "0-2", "--broker"] if command == "node" else \
+        ["--bind", "tcp://127.0.0.1:1", "--upstream"]
+    proc = fedbus(command, *where, "tcp://127.0.0.1:1", "--keys-dir", str(keys),
+                  "--key", "site-a", "--name", "other", check=False, timeout=60)
+    assert proc.returncode == 2
+    assert "--name other differs from the key's name site-a" in proc.stderr
