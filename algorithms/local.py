@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from fedbus.algorithms import Algorithm
 from fedbus.algorithms.base import (ClientHandler, ClientUpdate, Failure, LocalRun, RoundInfo,
                                     ServerHandler)
+from fedbus.algorithms.merge import members_of
 
 
 def opt(default: Any, help: str = "", choices: tuple | None = None,
@@ -74,7 +75,7 @@ def resolved_params(handler_cls: type, section: Mapping[str, Any]) -> dict[str, 
 
 def staleness_metrics(updates: list[ClientUpdate], failures: list[Failure]) -> dict[str, float]:
     """Scalar metrics every aggregation reports."""
-    clients = [m for u in updates for m in (u.members or (u,))]  # a relay's merged: its members
+    clients = members_of(updates)  # a relay's merged update: its members
     out: dict[str, float] = {"updates": float(len(clients)), "failures": float(len(failures))}
     if clients:
         out["mean_staleness"] = sum(u.staleness for u in clients) / len(clients)

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from fedbus.algorithms.base import ClientUpdate, Failure, RoundInfo, ServerHandler, Work
+from fedbus.algorithms.merge import members_of
 from fedbus.node.config import Config
 
 SERVER = "server"
@@ -620,7 +621,7 @@ class Engine:
         self.late = []
         failures = [Failure(c, r.failures[c]) for c in sorted(r.failures)]
         record = self._aggregate(fresh + folded, failures, r, now)
-        folded = [m for u in folded for m in (u.members or (u,))]
+        folded = members_of(folded)
         record.update(round=r.round, sampled=len(r.sampled), folded=len(folded),
                       stale=[[u.client, u.version, u.staleness, u.weight] for u in folded],
                       merged=len(r.merged))
@@ -633,7 +634,7 @@ class Engine:
         metrics = self.handler.aggregate(updates, failures, info) or {}
         # Scalars go to "agg"; a dict or list value (e.g. one number per client) to "agg_extra".
         extra = {k: v for k, v in metrics.items() if isinstance(v, (dict, list))}
-        updates = [m for u in updates for m in (u.members or (u,))]  # a relay's: its clients
+        updates = members_of(updates)  # a relay's merged update: its clients
         self.version += 1
         reasons = [f.reason for f in failures]
         works = [u.work.fraction for u in updates]
