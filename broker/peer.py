@@ -86,7 +86,7 @@ def noted_connection(frame, fd: int | None, peer) -> tuple[int | None, Any]:
     (fd, peer) when it is that one or cannot be told."""
     try:
         new = frame.get(zmq.SRCFD)
-    except (zmq.ZMQError, AttributeError):
+    except (zmq.ZMQError, AttributeError, OSError):  # OSError: fastroute.c's frames
         return fd, peer
     return (fd, peer) if new == fd else (new, connection_peer(new))
 

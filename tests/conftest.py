@@ -89,8 +89,11 @@ class BrokerProc:
 
     def __init__(self, endpoint: str, workdir: Path, *, heartbeat_s: float = 1.0,
                  liveness: int = 3, log_level: str = "info", max_frame_mb: float | None = None,
-                 grace_s: float | None = None):
+                 grace_s: float | None = None, fast_path: bool | None = None):
         self.endpoint = endpoint
+        # None: as a user gets it (C where built); False: the Python loop (fastroute.py)
+        self.env = None if fast_path is None else \
+            {**os.environ, "FEDBUS_BROKER_FASTPATH": "1" if fast_path else "0"}
         self.workdir = workdir
         self.log_file = workdir / f"broker-{free_port()}.jsonl"
         self.stderr_file = self.log_file.with_suffix(".stderr")
@@ -108,7 +111,7 @@ class BrokerProc:
         with open(self.stderr_file, "ab") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "fedbus.launch", "broker", *self.args],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=self.env)
         self.starts += 1
 
         def up():
