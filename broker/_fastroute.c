@@ -38,6 +38,7 @@ static struct {
     int (*msg_recv)(zmq_msg_t *, void *, int);
     int (*msg_send)(zmq_msg_t *, void *, int);
     int (*msg_close)(zmq_msg_t *);
+    int (*msg_move)(zmq_msg_t *, zmq_msg_t *);
     void *(*msg_data)(zmq_msg_t *);
     size_t (*msg_size)(const zmq_msg_t *);
     int (*msg_more)(const zmq_msg_t *);
@@ -148,17 +149,19 @@ static PyObject *held_from(zmq_msg_t *msg) {
         Z.msg_close(msg);
         return NULL;
     }
-    memcpy(&h->msg, msg, sizeof(zmq_msg_t)); /* libzmq messages may be moved by copying */
+    Z.msg_init(&h->msg);
+    Z.msg_move(&h->msg, msg); /* no copy of the data; msg is left empty */
+    Z.msg_close(msg);
     return (PyObject *)h;
 }
 
 /* ------------------------------------------------------------------ bind */
 static PyObject *fr_bind(PyObject *mod, PyObject *args) {
-    unsigned long long a[11];
-    if (!PyArg_ParseTuple(args, "KKKKKKKKKKK", &a[0], &a[1], &a[2], &a[3], &a[4], &a[5], &a[6],
-                          &a[7], &a[8], &a[9], &a[10]))
+    unsigned long long a[12];
+    if (!PyArg_ParseTuple(args, "KKKKKKKKKKKK", &a[0], &a[1], &a[2], &a[3], &a[4], &a[5], &a[6],
+                          &a[7], &a[8], &a[9], &a[10], &a[11]))
         return NULL;
-    for (int i = 0; i < 11; i++)
+    for (int i = 0; i < 12; i++)
         if (a[i] == 0) {
             PyErr_SetString(PyExc_ValueError, "a libzmq function address is 0");
             return NULL;
@@ -174,6 +177,7 @@ static PyObject *fr_bind(PyObject *mod, PyObject *args) {
     Z.msg_gets = (void *)(uintptr_t)a[8];
     Z.send = (void *)(uintptr_t)a[9];
     Z.zerrno = (void *)(uintptr_t)a[10];
+    Z.msg_move = (void *)(uintptr_t)a[11];
     bound = 1;
     Py_RETURN_NONE;
 }
@@ -366,7 +370,7 @@ fail:
 static PyMethodDef fr_methods[] = {
     {"bind", fr_bind, METH_VARARGS,
      "bind(msg_init, msg_recv, msg_send, msg_close, msg_data, msg_size, msg_more, msg_get, "
-     "msg_gets, send, errno): the addresses of pyzmq's libzmq functions"},
+     "msg_gets, send, errno, msg_move): the addresses of pyzmq's libzmq functions"},
     {"route", fr_route, METH_VARARGS,
      "route(socket address, nodes, max_msgs, max_frame, now) -> "
      "(more, routed, nbytes, used, held)"},

@@ -21,7 +21,7 @@ __all__ = ["fast_route", "why_not"]
 
 _FUNCS = ("zmq_msg_init", "zmq_msg_recv", "zmq_msg_send", "zmq_msg_close", "zmq_msg_data",
           "zmq_msg_size", "zmq_msg_more", "zmq_msg_get", "zmq_msg_gets", "zmq_send",
-          "zmq_errno")
+          "zmq_errno", "zmq_msg_move")
 _state: dict[str, object] = {}
 
 
