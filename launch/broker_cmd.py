@@ -4,6 +4,10 @@ CurveZMQ (PROTOCOL.md §10, SECURITY.md) is on whenever an endpoint is not loopb
 default tcp://0.0.0.0:5555 included): the broker then needs its keypair and an allow-list,
 `fedbus keygen broker` etc. in ./keys (or --keys-dir). --curve forces it on loopback too;
 --insecure forces plaintext, with a loud warning on exposed endpoints.
+
+The routing loop runs in C where pip built the optional extension (broker/_fastroute.c),
+else in Python with the same checks; its first log line says which (fast_path="C").
+FEDBUS_BROKER_FASTPATH=0 picks the Python loop, as does --log-level debug.
 """
 from __future__ import annotations
 
@@ -44,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="allow-list folder of node public keys (*.key; default --keys-dir)")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"],
-                        help="log level (debug logs one line per routed message)")
+                        help="log level (debug logs one line per routed message, so it also "
+                             "routes in Python, not in the C fast path)")
     parser.add_argument("--log-file", default=None, help="also append JSON lines to this file")
 
 
