@@ -84,6 +84,17 @@ def _read_json_lines(path: Path) -> list[dict]:
     return out
 
 
+def require_fast_path() -> None:
+    """Skip unless the broker's C fast path is built here; under CI, fail instead, so a
+    broken build cannot pass as a skip."""
+    from fedbus.broker.fastroute import why_not
+
+    if why_not():
+        if os.environ.get("CI"):
+            pytest.fail(f"the broker's C fast path is off in CI: {why_not()}")
+        pytest.skip(f"the broker's C fast path is not built here: {why_not()}")
+
+
 class BrokerProc:
     """The fedbus broker CLI in a subprocess."""
 

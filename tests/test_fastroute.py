@@ -3,17 +3,16 @@ messages, good and bad, through a real Broker on loopback each way must give the
 deliveries, in the same order, and the same counters. Raw DEALER sockets send exact frames."""
 from __future__ import annotations
 
-import os
 import threading
 import time
 
 import msgpack
 import pytest
 import zmq
+from conftest import require_fast_path
 
 from fedbus.broker import wire
 from fedbus.broker.broker import Broker
-from fedbus.broker.fastroute import why_not
 from fedbus.broker.wire import Message
 
 MAX_FRAME = 64 * 1024
@@ -22,10 +21,7 @@ N_FLOOD = 1600
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    if why_not():
-        if os.environ.get("CI"):
-            pytest.fail(f"the broker's C fast path is off in CI: {why_not()}")
-        pytest.skip(f"the broker's C fast path is not built here: {why_not()}")
+    require_fast_path()
 
 
 def dealer(ctx, endpoint: str, name: str, rcvhwm: int | None = None) -> zmq.Socket:
@@ -75,7 +71,7 @@ def forwarded_or_said(frames: list[bytes]):
 def stream(fast: bool) -> dict:
     """Run the stream through a fresh broker with the C loop (fast) or the Python one."""
     b = Broker("tcp://127.0.0.1:*", max_frame=MAX_FRAME, grace_s=0.0)
-    assert (b._croute is not None) is True
+    assert b._croute is not None
     if not fast:
         b._croute = None
     holds = []
