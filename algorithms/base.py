@@ -18,6 +18,7 @@ Conventions that the engine's validation and the tools rely on:
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -112,6 +113,21 @@ class ServerContext:
     build_arch: Callable[[str], torch.nn.Module] | None = None
 
 
+class _class_or_handler:
+    """A method bound to the class when looked up on the class, and to the class with
+    `params` = the handler's params when looked up on a handler (ServerHandler.merge_rule:
+    a relay asks the class with the run's params, the server's engine asks its handler)."""
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn = fn
+        self.__doc__ = fn.__doc__
+
+    def __get__(self, obj: Any, owner: type) -> Callable[..., Any]:
+        if obj is None:
+            return functools.partial(self.fn, owner)
+        return functools.partial(self.fn, type(obj), params=getattr(obj, "params", None))
+
+
 class ServerHandler:
     """Server half of an algorithm. Subclasses declare PARAMS (the keys their
     [algorithm] section accepts, with defaults) and implement the three verbs."""
@@ -130,9 +146,21 @@ class ServerHandler:
     # aggregate() handles merged updates; merge_rule() does not let subclasses inherit it.
     MERGE: ClassVar[Any] = None
 
+    @_class_or_handler
+    def merge_rule(cls, params: Mapping[str, Any] | None = None) -> Any:
+        """The merge rule of a run: the class's MERGE, unless `params` (the run's
+        [algorithm] section) choose an aggregation that is no sum (`merges`). On the class
+        (a relay) pass the params; on a handler they default to the handler's own."""
+        rule = cls.__dict__.get("MERGE")
+        if rule is None or params is None or cls.merges(params):
+            return rule
+        return None
+
     @classmethod
-    def merge_rule(cls) -> Any:
-        return cls.__dict__.get("MERGE")
+    def merges(cls, params: Mapping[str, Any]) -> bool:
+        """Whether a run with these params aggregates by the class's MERGE sums (a robust
+        rule, fedbus.algorithms.robust, does not)."""
+        return True
 
     def make_task(self, client: int, info: RoundInfo) -> dict[str, Any]:
         raise NotImplementedError

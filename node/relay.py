@@ -196,9 +196,11 @@ class Relay:
         fed = cfg.federation
         self.round_wait_s = fed.deadline_s if fed.deadline_s > 0 else fed.hard_deadline_s
         server_cls = get_algorithm(cfg.algorithm.name).server
-        rule = server_cls.merge_rule() if self.merge_enabled and fed.mode == "sync" else None
-        self.rule = rule
         self.params = resolved_params(server_cls, dict(cfg.algorithm))
+        # the run's rule: none under an aggregation that is no sum (algorithm.robust)
+        rule = server_cls.merge_rule(self.params) \
+            if self.merge_enabled and fed.mode == "sync" else None
+        self.rule = rule
         log.info("configured", run=self.run_id, algorithm=cfg.algorithm.name,
                  merge=rule.name if rule is not None else "none (forwarding updates)")
 
