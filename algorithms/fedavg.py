@@ -32,6 +32,13 @@ ran fewer epochs than asked: system.partial_work, a deadline) like any other, as
 fedbus treats partial work everywhere; "drop" counts it as a failure (reason
 "partial"), the FedAvg that Michieli & Ozay (Table 3, row "FedAvg" against "FedAvg +
 toleration") and FedProx's paper (Sec. 5.2, "drop the stragglers") compare against.
+robust = "none" (default: Algorithm 1's weighted mean above); "median", "trimmed_mean"
+(robust_trim) or "krum" (robust_f, robust_m) step by that rule over the deltas instead,
+w <- w + rule(delta_1, ..., delta_n) (fedbus.algorithms.robust): a defence against in-range
+poison, not the paper's. Each delta then counts once (the self-reported n_k and the
+staleness weights are dropped), partial updates are first dropped or tolerated as
+`partial` says, and relays forward updates unmerged. Subclasses that declare their own
+PARAMS without these keys (FedAtt, FedPer, ...) keep the weighted mean.
 """
 from __future__ import annotations
 
@@ -47,6 +54,7 @@ from fedbus.algorithms.base import (ClientUpdate, Failure, LocalRun, RoundInfo, 
                                     head_metrics, load_weights, model_weights, weight_delta)
 from fedbus.algorithms.local import LocalClient, Params, opt, staleness_metrics
 from fedbus.algorithms.merge import DeltaSums, weighted_sum
+from fedbus.algorithms.robust import ROBUST_PARAMS, Outcome, Robust, no_merged, report
 from fedbus.algorithms.weights import apply_delta, average_deltas, fedavg_coefs, weights_spec
 
 PARTIAL = opt("tolerate", "a partial update (fewer epochs than asked): tolerate = aggregate "
@@ -62,10 +70,11 @@ def drop_partial(updates: list[ClientUpdate],
     return kept, [*failures, *dropped]
 
 
-class FedAvgServer(Params, ServerHandler):
-    PARAMS: ClassVar[dict[str, Any]] = {"partial": PARTIAL}
+class FedAvgServer(Robust, Params, ServerHandler):
+    PARAMS: ClassVar[dict[str, Any]] = {"partial": PARTIAL, **ROBUST_PARAMS}
     needs_same_model: ClassVar[bool] = True
-    # Algorithm 1's weighted mean is a sum: a relay pre-aggregates it (algorithms.merge)
+    # Algorithm 1's weighted mean is a sum: a relay pre-aggregates it (algorithms.merge),
+    # unless a robust rule replaces it (merge_rule() is then None)
     MERGE = DeltaSums()
 
     def __init__(self, ctx):
@@ -102,7 +111,15 @@ class FedAvgServer(Params, ServerHandler):
                   info: RoundInfo) -> dict[str, float]:
         updates, failures = self.tolerated(updates, failures)
         metrics = staleness_metrics(updates, failures)
-        if any(u.members for u in updates):  # a relay's pre-aggregated sums among them
+        rule = self.robust_rule()
+        if rule is not None:
+            if updates:
+                no_merged(updates, rule)
+                out = Outcome()
+                step = rule.trees([u.payload["delta"] for u in updates], out)
+                self.weights = apply_delta(self.weights, step)
+                report(metrics, rule, out, [u.client for u in updates])
+        elif any(u.members for u in updates):  # a relay's pre-aggregated sums among them
             total, _ = weighted_sum(updates, DeltaSums(), self.resolved_params())
             mass = float(total["mass"][0])
             if mass > 0:

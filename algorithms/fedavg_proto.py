@@ -35,6 +35,11 @@ PARAMS (defaults = the paper):
   round, for the per-round proto-accuracy curves of the paper's figures
   ("we perform prototype-based model inference in each round during training",
   Sec. III-C).
+- `robust` (default "none": eq. 1's weighted mean of the weights and eq. 3's mean of the
+  prototypes): "median", "trimmed_mean" (`robust_trim`) or "krum" (`robust_f`,
+  `robust_m`) replace both, the weights' step by the rule over the deltas and each class's
+  prototype by the rule over its holders' prototypes (fedbus.algorithms.robust): a defence
+  against in-range poison, not the paper's; each update then counts once.
 
 On the bus:
 - task: {"weights": ..., "send_protos": bool};
@@ -76,6 +81,7 @@ from fedbus.algorithms.protos import (
     merge_prototypes,
     prototype_metrics,
 )
+from fedbus.algorithms.robust import ROBUST_PARAMS, Outcome, report
 
 
 class FedAvgProtoServer(FedAvgServer):
@@ -88,6 +94,7 @@ class FedAvgProtoServer(FedAvgServer):
         "infer_model": opt("global", "whose features eq. 4 compares with the prototypes: "
                            "global = the latest aggregated model (Sec. II-B); local = the "
                            "client's own post-training model", choices=("global", "local")),
+        **ROBUST_PARAMS,
     }
 
     def __init__(self, ctx):
@@ -116,7 +123,16 @@ class FedAvgProtoServer(FedAvgServer):
                   info: RoundInfo) -> dict[str, float]:
         metrics = super().aggregate(updates, failures, info)
         with_protos = [u for u in updates if self._valid_protos(u)]
-        if with_protos:
+        rule = self.robust_rule()
+        if with_protos and rule is not None:
+            out = Outcome()
+            mean, present = rule.per_class(
+                np.stack([np.asarray(u.payload["protos"]) for u in with_protos]),
+                np.stack([np.asarray(u.payload["counts"]) for u in with_protos]) > 0, out)
+            self.protos, self.has = merge_prototypes(self.protos, self.has, mean, present, True)
+            metrics["proto_updates"] = float(len(with_protos))
+            report(metrics, rule, out, [u.client for u in with_protos], prefix="proto_")
+        elif with_protos:
             mean, mass = aggregate_prototypes(
                 np.stack([np.asarray(u.payload["protos"]) for u in with_protos]),
                 np.stack([np.asarray(u.payload["counts"]) for u in with_protos]),

@@ -82,6 +82,12 @@ clients that sent it, each weighed by the engine's staleness weight s_i
                would shrink every prototype towards 0, so it is read as a typo;
     "mean"     (the reference code's `proto_aggregation`): 1, the unweighted
                mean over the clients that have the class.
+PARAM `robust` (default "none": eq. 6 as above; fedbus.algorithms.robust): "median",
+"trimmed_mean" (PARAM `robust_trim`) or "krum" (PARAMS `robust_f`, `robust_m`) replace the
+weighted mean of each class by that rule over the prototypes of the clients that hold the
+class (count > 0): a defence against in-range poison, not the paper's. Every prototype then
+counts once: the |D_i,k| weights (self-reported) and the staleness weights are dropped, and
+relays forward updates unmerged (no sum form).
 PARAM `keep_missing` (default True): a class nobody sent in this aggregation
 keeps its previous global prototype. The paper (full participation) does not
 say; the code replaces the whole set with what it received each round
@@ -107,6 +113,8 @@ from fedbus.algorithms.merge import PrototypeSums, weighted_sum
 from fedbus.algorithms.protos import (aggregate_prototypes, class_counts, class_means, class_sums,
                                       head_and_prototype_metrics, local_prototypes,
                                       merge_prototypes, pixel_samples)
+from fedbus.algorithms.robust import (ROBUST_PARAMS, Outcome, Robust, RobustRule, no_merged,
+                                      report)
 
 # Declarations other modules import (FedTGP did); FedProto's PARAMS use them too.
 PROTO_LOSS = opt("mse", "client regulariser: mse = App. B eq. 1 and the reference code "
@@ -118,7 +126,7 @@ INFER_CLASSES = opt("all", "nearest-prototype inference over all classes with a 
                     choices=("all", "own"))
 
 
-class FedProtoServer(Params, ServerHandler):
+class FedProtoServer(Robust, Params, ServerHandler):
     PARAMS: ClassVar[dict[str, Any]] = {
         "lam": opt(1.0, "weight lambda of the prototype regulariser, eq. 7 (the paper's best "
                    "for MNIST/FEMNIST; 0.1 for CIFAR-10; the code's --ld)", min=0.0),
@@ -133,9 +141,11 @@ class FedProtoServer(Params, ServerHandler):
                             "over the training data after training); during = reference code "
                             "(mean of the last local epoch's training-step features)",
                             choices=("after", "during")),
+        **ROBUST_PARAMS,
     }
 
-    # eq. 6 is a per-class weighted sum: a relay pre-aggregates it (fedbus.algorithms.merge)
+    # eq. 6 is a per-class weighted sum: a relay pre-aggregates it (fedbus.algorithms.merge),
+    # unless a robust rule replaces it (merge_rule() is then None)
     MERGE = PrototypeSums()
 
     def __init__(self, ctx):
@@ -150,7 +160,11 @@ class FedProtoServer(Params, ServerHandler):
     def aggregate(self, updates: list[ClientUpdate], failures: list[Failure],
                   info: RoundInfo) -> dict[str, float]:
         metrics = staleness_metrics(updates, failures)
-        if any(u.members for u in updates):  # a relay's pre-aggregated sums among them
+        rule = self.robust_rule()
+        if rule is not None:
+            if updates:
+                self.aggregate_robust(updates, rule, metrics)
+        elif any(u.members for u in updates):  # a relay's pre-aggregated sums among them
             total, _ = weighted_sum(updates, self.MERGE, self.resolved_params())
             mass = total["mass"]
             safe = np.where(mass > 0, mass, 1.0)[:, None]
@@ -169,6 +183,19 @@ class FedProtoServer(Params, ServerHandler):
             metrics["classes_received"] = float((mass > 0).sum())
         metrics["classes"] = float(self.has.sum())
         return metrics
+
+    def aggregate_robust(self, updates: list[ClientUpdate], rule: RobustRule,
+                         metrics: dict[str, Any]) -> None:
+        """PARAM robust: per class, the rule over its holders' prototypes."""
+        no_merged(updates, rule)
+        out = Outcome()
+        mean, present = rule.per_class(
+            np.stack([np.asarray(u.payload["protos"]) for u in updates]),
+            np.stack([np.asarray(u.payload["counts"]) for u in updates]) > 0, out)
+        self.protos, self.has = merge_prototypes(self.protos, self.has, mean, present,
+                                                 bool(self.param("keep_missing")))
+        metrics["classes_received"] = float(present.sum())
+        report(metrics, rule, out, [u.client for u in updates])
 
     def update_spec(self) -> dict[str, tuple[str, tuple[int | None, ...]]]:
         c, d = self.ctx.num_classes, self.ctx.feature_dim

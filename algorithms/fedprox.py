@@ -20,7 +20,8 @@ gradient. The term covers the trainable parameters only (buffers such as
 BatchNorm statistics are averaged but not regularised, as in the reference
 code). No option: the two agree mathematically.
 
-PARAMS: mu (default 0.01; the paper sweeps {0.001, 0.01, 0.1, 1}).
+PARAMS: mu (default 0.01; the paper sweeps {0.001, 0.01, 0.1, 1}); robust (default "none",
+the weighted mean; "median", "trimmed_mean", "krum" as in FedAvg: fedbus.algorithms.robust).
 """
 from __future__ import annotations
 
@@ -33,13 +34,15 @@ from fedbus.algorithms import Algorithm
 from fedbus.algorithms.fedavg import FedAvgClient, FedAvgServer
 from fedbus.algorithms.local import opt
 from fedbus.algorithms.merge import DeltaSums
+from fedbus.algorithms.robust import ROBUST_PARAMS
 
 
 class FedProxServer(FedAvgServer):
     PARAMS: ClassVar[dict[str, Any]] = {
         "mu": opt(0.01, "FedProx proximal coefficient mu (eq. 2)", min=0.0),
+        **ROBUST_PARAMS,
     }
-    MERGE = DeltaSums()  # FedAvg's aggregation, inherited unchanged
+    MERGE = DeltaSums()  # FedAvg's aggregation, inherited unchanged (none under a robust rule)
 
 
 class FedProxClient(FedAvgClient):

@@ -78,6 +78,14 @@ Server (Algorithm 1 lines 10-11):
   weight by staleness, the plain mean when all are fresh). tau = PARAM
   `margin_threshold` = 100 (paper). With fewer than two classes received the
   code's gaps stay at 1e9, so delta(t) = tau; so here for "max" and "max_min".
+- PARAM `robust` (default "none": the server trains on the client prototypes as they
+  came, as above): "median", "trimmed_mean" (`robust_trim`) or "krum" (`robust_f`,
+  `robust_m`) first replace every received prototype of class c by that rule over the
+  prototypes of class c received in this aggregation (fedbus.algorithms.robust), so an
+  attacker's rows cannot pull the generator further than the rule allows; Q_t^c is then
+  that robust value too. The rows, their number per class (the steps per epoch) and their
+  staleness weights stay as they were; only their values change. A defence against
+  in-range poison, not the paper's.
 - after training, the generated prototypes of all C classes (one no-grad
   pass) are the new global prototypes; the task carries {"protos": [C, D],
   "has": bool [C]} (all True after the first aggregation, as the code sends
@@ -127,6 +135,7 @@ from fedbus.algorithms.protos import (
     local_prototypes,
     pixel_samples,
 )
+from fedbus.algorithms.robust import ROBUST_PARAMS, Outcome, Robust, report
 
 MARGINS = ("max", "max_min", "fixed", "none")
 
@@ -214,7 +223,7 @@ def prototype_regulariser(h: torch.Tensor, y: torch.Tensor, protos: torch.Tensor
     return torch.linalg.vector_norm(means[sel] - g[sel], dim=1).mean()
 
 
-class FedTGPServer(Params, ServerHandler):
+class FedTGPServer(Robust, Params, ServerHandler):
     PARAMS: ClassVar[dict[str, Any]] = {
         "lam": opt(0.1, "weight lambda of the clients' prototype loss, eq. 11 (paper 0.1; the "
                    "code's run_me.sh uses 10 with proto_loss = mse)", min=0.0),
@@ -240,6 +249,7 @@ class FedTGPServer(Params, ServerHandler):
                       choices=MARGINS),
         "margin_threshold": opt(100.0, "tau, the cap of the adaptive margin (paper: 100)",
                                 min=0.0),
+        **ROBUST_PARAMS,
     }
 
     def __init__(self, ctx):
@@ -308,7 +318,16 @@ class FedTGPServer(Params, ServerHandler):
         p_all = np.stack(stacks)  # [N, C, D]
         m_all = np.stack(masks)  # [N, C]
         w_all = np.array(weights, dtype=np.float64)
-        centres, mass = aggregate_prototypes(p_all, m_all.astype(np.int64), w_all, by_count=False)
+        rule = self.robust_rule()
+        if rule is not None:  # every held row takes its class's robust value
+            out = Outcome()
+            centres, present = rule.per_class(p_all, m_all, out)
+            p_all = np.where(m_all[:, :, None], centres[None], p_all)
+            mass = present.astype(np.float64)
+            report(metrics, rule, out, [u.client for u in updates])
+        else:
+            centres, mass = aggregate_prototypes(p_all, m_all.astype(np.int64), w_all,
+                                                 by_count=False)
         self.margin = adaptive_margin(centres, mass > 0, float(self.param("margin_threshold")),
                                       self.param("margin"))
 
