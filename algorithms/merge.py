@@ -12,6 +12,11 @@ sync round's tasks), which the server weighs alike, so the server multiplies a m
 update's sum form by that one weight and adds it to the lifted single updates. With
 every weight alike the result equals the flat federation's up to float64 rounding.
 
+A run's options may choose an aggregation that is no sum: under `algorithm.robust`
+(fedbus.algorithms.robust: a median, a trimmed mean or Krum needs every update apart)
+`merge_rule(params)` is None for the run, so relays forward updates as they are and the
+server refuses merged ones; the class's MERGE still says how its default aggregation merges.
+
 `lift` returns None for an update the rule will not merge (FedAvg's "drop" of partial
 work: the server must see it to count it as a failure); the relay forwards it as it is.
 """

@@ -15,7 +15,7 @@ of its inputs alone, and ties are broken by client order):
   coordinate the middle value (the mean of the two middle ones for even n).
   Tolerates f < n/2 (breakdown point 1/2): every coordinate of the result lies between the
   smallest and the largest honest value of that coordinate, whatever the attackers send.
-  Cost: O(n d) time (introselect, np.median), O(n x chunk) memory beyond the inputs.
+  Cost: O(n d log n) time (a sort per coordinate), O(n x chunk) memory beyond the inputs.
 - "trimmed_mean", coordinate-wise beta-trimmed mean (Yin et al. 2018, Option II): per
   coordinate, drop the t = floor(beta n) smallest and the t largest values and average
   the n - 2t left, 0 <= beta < 1/2. Tolerates f <= t: every coordinate of the result lies
@@ -37,6 +37,17 @@ of its inputs alone, and ties are broken by client order):
   With too few vectors (n < 2f + 3) Krum cannot hold its bound; refusing to aggregate
   would stall the federation, so the rule falls back to the coordinate-wise median for
   that aggregation (or that class) and the handler reports it ("robust_fallbacks").
+
+Measured on a shared 2-core machine (numpy, float64; `timeit`, best of 2-3): 100
+clients x 10 classes x 512 dims, per class: eq. 6's mean 6 ms, median 15 ms, trimmed mean
+9 ms, Krum 4 ms. 50 clients' weight deltas: fedbus's "cnn" (21,840 weights) mean 2 ms,
+median 25 ms, trimmed mean 13 ms, Krum 10 ms; "cnn4" (878,538 weights, 168 MiB of deltas)
+mean 0.07-0.11 s, median 0.61 s, trimmed mean 0.64 s, Krum 0.19 s (multi-Krum m = 40:
+0.22 s); "resnet8" (1.23 M weights) mean 0.15 s, median 0.59 s, trimmed mean 0.65 s,
+Krum 0.29 s. n clients x 200,000 weights, one BLAS thread: median 0.21 / 0.62 / 1.1 / 3.1 s
+and Krum 0.10 / 0.28 / 0.91 / 2.4 s for n = 50 / 100 / 200 / 400 (Krum's n^2 d runs as
+matrix products; it stays below the sorts up to n = 400). So a robust rule costs 3-10x the
+weighted mean at these sizes (timings on a shared, loaded machine: upper figures).
 
 What changes against the families' means, for every robust rule:
 - each update counts once: the sample-count weights (n_i of FedAvg, |D_i,k| of FedProto's
