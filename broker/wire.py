@@ -7,15 +7,19 @@ See broker/PROTOCOL.md for the byte-level specification. In short, a message is
 
 The broker decodes only the header (cheaply, with a cache of validated header prefixes) and
 forwards the body frame untouched. Bodies are decoded by a bounded, zero-copy decoder: arrays
-come back as read-only ``np.frombuffer`` views of the received frame.
+come back as read-only ``np.frombuffer`` views of the received frame; nesting is capped at
+MAX_DEPTH levels and a body at MAX_ITEMS values, so a frame of N bytes cannot turn into more
+than a bounded number of Python objects (PROTOCOL.md §8).
 
 Every rejection raises :class:`WireError` (a ``ValueError``) with a precise message.
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import math
 import struct
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,8 +34,10 @@ __all__ = [
     "DATA_ALIGN",
     "DEFAULT_MAX_FRAME",
     "KINDS",
+    "MAX_DEPTH",
     "MAX_DEPTH_C",
     "MAX_HEADER_BYTES",
+    "MAX_ITEMS",
     "MAX_NDIM",
     "MAX_STR_BYTES",
     "PROTOCOL_VERSION",
@@ -54,7 +60,16 @@ PROTOCOL_VERSION = 1
 DEFAULT_MAX_FRAME = 64 * 1024 * 1024
 MAX_HEADER_BYTES = 2048  # a header frame is never larger than this (4 strings x 255 B + 60 B)
 MAX_STR_BYTES = 255  # kind, src, dst, run: at most 255 bytes of UTF-8 each
-MAX_DEPTH_C = 1024  # body nesting depth: the stack of msgpack's C parser
+MAX_DEPTH_C = 1024  # the stack of msgpack's C parser (measured at import, below)
+# A body nests lists/maps at most this deep: real bodies need 5 or 6 (a merged update:
+# body -> members -> member -> work map; a config: body -> config -> section -> table), and
+# code that walks a body recursively must stay far from Python's recursion limit (1000).
+MAX_DEPTH = 32
+# A body holds at most this many msgpack values: every list item, map key and map value,
+# nested or not, counts one (an array ext counts one, whatever its size). 1 Mi values is
+# about 100 times a 10,000-member merged update, and bounds what one frame can allocate as
+# Python objects (~100 MB at worst, e.g. a million empty maps) whatever the frame size.
+MAX_ITEMS = 1 << 20
 MAX_NDIM = 32  # array rank, as numpy's own limit
 ARRAY_EXT = 1  # msgpack ext type code of an array
 
@@ -501,35 +516,186 @@ def _view(buf) -> memoryview:
     return mv if mv.readonly else mv.toreadonly()
 
 
-_FIRST_FEED = 65536
+_FIRST_FEED = 65536  # frames up to this size are parsed first, then depth-checked
 
 
-def _unpack_stream(mv: memoryview, n: int, hook):
-    """Parse the document at the start of a large frame without copying the data section."""
-    up = msgpack.Unpacker(
-        ext_hook=hook, raw=False, strict_map_key=False, use_list=True, max_buffer_size=n,
-        max_str_len=n, max_bin_len=n, max_array_len=n, max_map_len=n // 2, max_ext_len=_MAX_EXT,
-    )
-    end = _FIRST_FEED
+def _probe_c_stack() -> int:
+    """How many nested arrays msgpack's C parser holds (1024 in msgpack 1.x), or 0 if it
+    holds more than 65,536 (then depth is checked by walking the decoded value instead)."""
+
+    def fits(k: int) -> bool:
+        up = msgpack.Unpacker(max_buffer_size=k + 16)
+        up.feed(b"\x91" * k + b"\xc0")
+        try:
+            up.skip()
+        except Exception:  # StackError
+            return False
+        return True
+
+    lo, hi = 1, 1 << 16
+    if fits(hi) or not fits(lo):
+        return 0
+    while lo + 1 < hi:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+_C_STACK = _probe_c_stack()
+if _C_STACK:
+    MAX_DEPTH_C = _C_STACK
+# The depth check: msgpack's parser raises StackError past _C_STACK open containers, so a
+# document behind (_C_STACK - d) one-element arrays overflows it exactly when it nests
+# deeper than d. Skipping (no objects built) prefix + document checks depth in C.
+_WRAP = b"\x91" * _C_STACK
+_CPYTHON = sys.implementation.name == "cpython"
+_is_tracked = gc.is_tracked
+
+
+def _depth_within(obj, limit: int) -> bool:
+    """Whether obj nests lists/dicts at most `limit` deep, walking it level by level (no
+    recursion). Only used where msgpack's parser cannot check depth (see _C_STACK).
+
+    On CPython a dict is tracked by the garbage collector only if it holds a list or dict
+    (or another collected object; arrays are not), so an untracked dict is a leaf."""
+    t = type(obj)
+    if t is not dict and t is not list:
+        return True
+    if limit < 1:
+        return False
+    level = [obj]
+    depth = 1
+    while True:
+        nxt = []
+        for o in level:
+            if type(o) is dict:
+                if _CPYTHON and not _is_tracked(o):
+                    continue
+                vals = o.values()
+            else:
+                vals = o
+            for v in vals:
+                tv = type(v)
+                if tv is list or tv is dict:
+                    nxt.append(v)
+        if not nxt:
+            return True
+        depth += 1
+        if depth > limit:
+            return False
+        level = nxt
+
+
+# every list/map header starts with one of these bytes: fixmap, fixarray, array16/32, map16/32
+_CONTAINER_BYTES = bytes(range(0x80, 0xA0)) + b"\xdc\xdd\xde\xdf"
+_OTHER_BYTES = bytes(b for b in range(256) if b not in _CONTAINER_BYTES)
+
+
+def _check_small_depth(obj, mv: memoryview, n: int, doc_end: int, max_depth: int) -> None:
+    """WireError if obj, just parsed from the document mv[:doc_end] of a small frame, nests
+    deeper than max_depth. Each level of nesting takes a header byte, so a short document
+    with at most max_depth bytes that could start a header is shallow enough; otherwise
+    msgpack's parser tells (Unpacker.skip behind wrapper arrays, in C)."""
+    if doc_end <= 4096:
+        doc = mv[:doc_end].tobytes()
+        if len(doc.translate(None, _OTHER_BYTES)) <= max_depth:
+            return
+    if _prefix_len(max_depth) is None:
+        if not _depth_within(obj, max_depth):
+            raise WireError(_too_deep(max_depth))
+        return
+    _skip_document(mv, n, doc_end, max_depth)  # raises StackError if too deep
+
+
+def _prefix_len(max_depth: int) -> int | None:
+    """Wrapper arrays that make msgpack's parser enforce max_depth; None if it cannot."""
+    if not _C_STACK or max_depth >= _C_STACK:
+        return None if not _C_STACK else 0
+    return _C_STACK - max(max_depth, 0)
+
+
+def _skip_document(mv: memoryview, n: int, doc_end: int | None, max_depth: int) -> int:
+    """Parse the document at the start of the frame without building it (Unpacker.skip, in
+    C): its end offset; StackError if it nests deeper than max_depth, WireError if it is
+    truncated. It is fed in growing chunks, so little of the data section is copied."""
+    p = _prefix_len(max_depth) or 0
+    limit = n if doc_end is None else doc_end
+    up = msgpack.Unpacker(max_buffer_size=limit + p + 16)
+    if p:
+        up.feed(_WRAP[:p])
+    end = min(limit, 16384)
     up.feed(mv[:end])
     while True:
         try:
-            obj = up.unpack()
-            return obj, up.tell()
+            up.skip()
+            return up.tell() - p
         except msgpack.OutOfData:
-            if end >= n:
+            if end >= limit:
                 raise WireError("body truncated: the msgpack document is incomplete") from None
-            nxt = min(n, end * 4)
+            nxt = min(limit, end * 4)
             up.feed(mv[end:nxt])
             end = nxt
 
 
-def decode_body(buf, *, max_frame: int = DEFAULT_MAX_FRAME) -> Any:
+# Bytes taken by a msgpack value's own encoding, by its first byte (a list/map header counts
+# only itself: its items follow as values of their own); 0: variable (str/bin/ext 8/16/32,
+# whose length follows) or never used (0xc1).
+_SIZE = [0] * 256
+for _t in range(256):
+    if _t < 0xA0 or _t >= 0xE0 or _t in (0xC0, 0xC2, 0xC3):
+        _SIZE[_t] = 1
+    elif _t < 0xC0:
+        _SIZE[_t] = 1 + (_t & 0x1F)  # fixstr
+for _t, _k in {0xCA: 5, 0xCB: 9, 0xCC: 2, 0xCD: 3, 0xCE: 5, 0xCF: 9, 0xD0: 2, 0xD1: 3, 0xD2: 5,
+               0xD3: 9, 0xD4: 3, 0xD5: 4, 0xD6: 6, 0xD7: 10, 0xD8: 18, 0xDC: 3, 0xDD: 5, 0xDE: 3,
+               0xDF: 5}.items():
+    _SIZE[_t] = _k
+del _t, _k
+# first byte -> (bytes of the length, extra bytes before the payload: ext's type code)
+_VAR = {0xC4: (1, 0), 0xC5: (2, 0), 0xC6: (4, 0), 0xC7: (1, 1), 0xC8: (2, 1), 0xC9: (4, 1),
+        0xD9: (1, 0), 0xDA: (2, 0), 0xDB: (4, 0)}
+
+
+def _count_values(mv: memoryview, end: int, limit: int) -> int:
+    """The number of msgpack values in mv[:end] (a well-formed document), counting no
+    further than limit + 1: a linear scan of the encoding, nothing built."""
+    size = _SIZE
+    pos = count = 0
+    while pos < end:
+        count += 1
+        if count > limit:
+            break
+        t = mv[pos]
+        k = size[t]
+        if k:
+            pos += k
+            continue
+        w, x = _VAR[t]
+        pos += 1 + w + x + int.from_bytes(mv[pos + 1:pos + 1 + w], "big")
+    return count
+
+
+def _too_deep(max_depth: int) -> str:
+    return f"body nested deeper than {min(max_depth, MAX_DEPTH_C)} levels of lists/maps"
+
+
+def decode_body(buf, *, max_frame: int = DEFAULT_MAX_FRAME, max_depth: int = MAX_DEPTH,
+                max_items: int = MAX_ITEMS) -> Any:
     """Decode a body frame. Arrays are read-only zero-copy views of ``buf``.
 
-    Bounded: the frame must be <= max_frame bytes; msgpack lengths are capped by the frame
-    size; nesting is capped by msgpack's parser stack (MAX_DEPTH_C); array data must lie in
-    the data section after the document. Raises WireError on any problem.
+    Bounded (PROTOCOL.md §8): the frame must be <= max_frame bytes; lists and maps nest at
+    most max_depth levels; the document holds at most max_items values (list items, map
+    keys and values), each str/bin no longer than the frame; array data must lie in the
+    data section after the document. So a frame becomes at most max_items Python objects
+    (besides str/bin payloads the size of the frame and zero-copy arrays). Frames above
+    64 KiB are checked before anything is built: msgpack's parser skips the document in C
+    behind wrapper arrays that leave it max_depth levels of stack, and a document longer
+    than max_items bytes (a value takes at least one byte) has its values counted by a scan
+    of its encoding; smaller frames (at most 64 Ki values) are depth-checked right after
+    parsing. Raises WireError on any problem.
     """
     mv = _view(buf)
     n = mv.nbytes
@@ -573,8 +739,8 @@ def decode_body(buf, *, max_frame: int = DEFAULT_MAX_FRAME) -> Any:
         return a if ndim == 1 else a.reshape(shape)
 
     try:
-        if n <= _FIRST_FEED:
-            # small frame: one C call; a data section shows up as ExtraData
+        if n <= _FIRST_FEED and n <= max_items:
+            # small frame: one C call, at most n values; a data section shows up as ExtraData
             try:
                 obj = msgpack.unpackb(
                     mv, ext_hook=hook, raw=False, strict_map_key=False, use_list=True,
@@ -585,12 +751,26 @@ def decode_body(buf, *, max_frame: int = DEFAULT_MAX_FRAME) -> Any:
             except msgpack.ExtraData as e:
                 obj = e.unpacked
                 doc_end = n - len(e.extra)
+            t = type(obj)
+            if (t is list or t is dict) and not (t is dict and _CPYTHON and max_depth >= 1
+                                                 and not _is_tracked(obj)):
+                _check_small_depth(obj, mv, n, doc_end, max_depth)
         else:
-            obj, doc_end = _unpack_stream(mv, n, hook)
+            doc_end = _skip_document(mv, n, None, max_depth)
+            if doc_end > max_items and _count_values(mv, doc_end, max_items) > max_items:
+                raise WireError(f"body holds more than {max_items} values (list items, map "
+                                f"keys and map values)")
+            obj = msgpack.unpackb(
+                mv[:doc_end], ext_hook=hook, raw=False, strict_map_key=False, use_list=True,
+                max_str_len=n, max_bin_len=n, max_array_len=min(n, max_items),
+                max_map_len=min(n // 2, max_items // 2), max_ext_len=_MAX_EXT,
+            )
+            if _prefix_len(max_depth) is None and not _depth_within(obj, max_depth):
+                raise WireError(_too_deep(max_depth))
     except WireError:
         raise
     except msgpack.StackError:
-        raise WireError(f"body nested deeper than {MAX_DEPTH_C}") from None
+        raise WireError(_too_deep(max_depth)) from None
     except UnicodeDecodeError as e:
         raise WireError(f"body has a str that is not valid UTF-8: {e.reason}") from None
     except Exception as e:  # msgpack's FormatError/ValueError/TypeError/..., numpy errors

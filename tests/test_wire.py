@@ -292,7 +292,7 @@ def test_specific_body_rejections():
         "must be 18 bytes": msgpack.packb(msgpack.ExtType(1, bytes([11, 1]) + bytes(9))),
         "outside the": msgpack.packb(msgpack.ExtType(
             1, bytes([11, 1]) + struct.pack("<QQ", 10, 64))),
-        "nested deeper than 1024": b"\x91" * 2000 + b"\x01",
+        "nested deeper than 32": b"\x91" * 2000 + b"\x01",
         "truncated": ok[:-5],
         "not valid UTF-8": b"\xa2\xff\xfe",
         "cannot fit": b"\xdd\xff\xff\xff\xff",  # array32 of 4 billion items in 5 bytes
@@ -370,3 +370,132 @@ def test_random_bytes_never_raise_anything_but_wire_error(data):
             fn(data, max_frame=256)
         except WireError:
             pass
+
+
+# ---------------------------------------------------------------------------- depth and size caps
+def _nested(depth: int) -> bytes:
+    """A document of `depth` nested one-element lists around an int."""
+    return b"\x91" * depth + b"\x01"
+
+
+def _big(doc: bytes) -> bytes:
+    """[doc, 70 kB bin]: a frame above 64 KiB (the path checked before anything is built),
+    one level deeper than doc."""
+    return b"\x92" + doc + msgpack.packb(bytes(70_000))
+
+
+def _values(v) -> int:
+    """How many msgpack values a decoded body holds (the unit of MAX_ITEMS)."""
+    if isinstance(v, list):
+        return 1 + sum(map(_values, v))
+    if isinstance(v, dict):
+        return 1 + sum(_values(k) + _values(x) for k, x in v.items())
+    return 1
+
+
+def test_depth_is_capped_far_below_the_recursion_limit():
+    assert wire.MAX_DEPTH == 32 and wire.MAX_DEPTH_C == 1024
+    # small frames (parsed, then checked) and large ones (checked before anything is built)
+    for frame in (_nested(32), _big(_nested(31))):
+        d = wire.decode_body(frame)
+        assert len(repr(d)) > 32  # a recursive walk of it is fine
+    for frame in (_nested(33), _nested(1000), _nested(1023), _big(_nested(32)),
+                  _big(_nested(999)), _nested(5000), _big(_nested(5000))):
+        with pytest.raises(WireError, match="nested deeper than 32 levels"):
+            wire.decode_body(frame)
+    # maps count as levels too, and the caller may ask for less
+    m = msgpack.packb({"a": {"b": {"c": [1, {"d": []}]}}})  # 6 levels
+    assert wire.decode_body(m, max_depth=6)["a"]["b"]["c"][1] == {"d": []}
+    with pytest.raises(WireError, match="nested deeper than 5 levels"):
+        wire.decode_body(m, max_depth=5)
+    # bytes that look like list headers in strings, bins and array data are not nesting
+    fake = {"blob": b"\x91" * 3000, "s": "\x11" * 40, "l": [[1]],
+            "a": np.full(100, 0x91, np.uint8), "h": [np.full(5000, 0x91, np.uint8)]}
+    d = wire.decode_body(wire.encode_body(fake))
+    assert d["blob"] == fake["blob"] and d["l"] == [[1]]
+
+
+def test_real_bodies_are_well_within_the_caps():
+    # a relay's merged update of 10,000 members: [address, task, samples, work map] each
+    work = {"epochs_asked": 1, "epochs_done": 1.0, "steps": 10, "samples": 100,
+            "stopped": "done"}
+    merged = {"version": 3, "rule": "fedproto", "members": [
+        [f"c{i}", i, 100, dict(work)] for i in range(10_000)],
+        "payload": {"sums": np.ones((10, 64)), "mass": np.ones(10)}}
+    d = wire.decode_body(wire.encode_body(merged))
+    assert d["members"][-1] == ["c9999", 9999, 100, work]
+    assert _values(d) < wire.MAX_ITEMS // 4
+    # a config, nested a few levels
+    cfg = {"run": "r", "config": {"federation": {"clients": 10, "sites": {"a": {"x": [1, 2]}}},
+                                  "model": {"arch": "mlp", "layers": [[64, 32], [32, 10]]}}}
+    assert wire.decode_body(wire.encode_body(cfg)) == cfg
+
+
+def test_a_frame_of_empty_maps_is_refused_without_allocating_them():
+    # The attack: one frame, every byte an empty map (0x80), in one array32. Unbounded, a
+    # decoder builds one 64-byte dict per byte: 4.2 GB for a 64 MiB frame. Here: a max-size
+    # frame (max_frame = 16 MiB) must fail fast, allocating about the frame once, no more.
+    import tracemalloc
+    size = 16 << 20
+    frame = b"\xdd" + (size - 5).to_bytes(4, "big") + b"\x80" * (size - 5)
+    assert len(frame) == size
+    tracemalloc.start()
+    try:
+        with pytest.raises(WireError, match="more than 1048576 values"):
+            wire.decode_body(frame, max_frame=size)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1.5 * size, peak  # (16 M dicts would be > 1 GB)
+    # the same maps, nested two deep so that no single list is long: still counted
+    part = b"\xdd" + (1 << 19).to_bytes(4, "big") + b"\x80" * (1 << 19)
+    with pytest.raises(WireError, match="more than 1048576 values"):
+        wire.decode_body(b"\x93" + part * 3)
+    # and ints that each cost a Python object (-32..-6 are not cached), in a small frame
+    # with a small cap
+    with pytest.raises(WireError, match="more than 1000 values"):
+        wire.decode_body(b"\xdc" + (2000).to_bytes(2, "big") + b"\xe0" * 2000, max_items=1000)
+
+
+def test_values_are_capped_per_body():
+    cap = wire.MAX_ITEMS
+    assert cap == 1 << 20
+    # [{}, {}, ...]: the list and its items; cap - 1 items make exactly cap values
+    ok = msgpack.packb([{}] * (cap - 1))
+    assert len(wire.decode_body(ok)) == cap - 1
+    for bad in (msgpack.packb([{}] * cap),                  # a list one over
+                msgpack.packb({i: None for i in range(cap // 2)}),  # keys and values count
+                msgpack.packb([[0] * 1000] * (cap // 1000))):   # nested
+        with pytest.raises(WireError, match=f"more than {cap} values"):
+            wire.decode_body(bad)
+    # a long str or bin is one value, however long
+    assert wire.decode_body(msgpack.packb(["x" * (4 << 20), b"y" * (4 << 20)]))[1][:1] == b"y"
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(values)
+def test_the_value_count_is_exact(v):
+    # the count of values in the encoding (the scan behind max_items) is exact, on either path
+    frame = wire.encode_body(v)
+    c = _values(wire.decode_body(frame))
+    assert same(v, wire.decode_body(frame, max_items=c))
+    with pytest.raises(WireError, match=f"more than {c - 1} values"):
+        wire.decode_body(frame, max_items=c - 1)
+
+
+def test_the_value_scan_knows_every_msgpack_encoding():
+    # every kind of header the scan must step over, as msgpack writes it
+    parts = [None, True, False, 0, 127, -1, -32, 200, 60_000, 2**31, 2**63, -100, -30_000,
+             -2**31, -2**63, 1.5, "", "x" * 31, "y" * 32, "z" * 300, "w" * 70_000, b"", b"b" * 300,
+             b"c" * 70_000, [], [1] * 20, [2] * 70_000, {}, {"k": 1}, {i: i for i in range(20)}]
+    parts += [msgpack.ExtType(5, b"e" * k) for k in (1, 2, 4, 8, 16, 3, 300, 70_000)]
+    doc = msgpack.packb(parts, use_single_float=False) + msgpack.packb(
+        [1.5], use_single_float=True)
+    mv = memoryview(doc)
+    up = msgpack.Unpacker(max_buffer_size=len(doc), ext_hook=lambda c, d: msgpack.ExtType(c, d),
+                          strict_map_key=False)
+    up.feed(doc)
+    decoded = list(up)
+    want = sum(_values(x) for x in decoded)
+    assert wire._count_values(mv, len(doc), 10**9) == want
+    assert wire._count_values(mv, len(doc), 10) == 11  # stops one past the limit
