@@ -8,7 +8,10 @@
  *   recv [rid, header, body]; the node of rid; its route cache (node.rcache) entry for the
  *   header's prefix (everything before its fixed 53-byte tail: kind, src, dst, run), whose
  *   target node has nothing held (target.pending empty); the tail's four keys in place and
- *   round >= -1; body <= max_frame  ->  send [target.rid, header, body], node.last_seen = now.
+ *   round >= -1; body <= max_frame; the sender's rate-limit credit (node.credit, a Credit:
+ *   messages and bytes it may still send before Python refills it from its token buckets)
+ *   has a message and a byte left  ->  send [target.rid, header, body], node.last_seen = now,
+ *   credit.msgs -= 1, credit.nbytes -= header + body bytes.
  *
  * Any other message comes back to Python whole (a Held object per frame: the header's bytes,
  * the body as a zero-copy buffer that also answers frame.get("User-Id") and
@@ -21,6 +24,8 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stddef.h>
+#include <structmember.h>
 #include <errno.h>
 #include <stdint.h>
 #include <string.h>
@@ -57,7 +62,39 @@ static const unsigned char K_INC[5] = {0xa3, 'i', 'n', 'c', 0xcf};
 static const unsigned char K_TS[4] = {0xa2, 't', 's', 0xcb};
 #define MAX_HEADER_BYTES 2048
 
-static PyObject *s_rcache, *s_pending, *s_rid, *s_last_seen;
+static PyObject *s_rcache, *s_pending, *s_rid, *s_last_seen, *s_credit;
+
+/* ------------------------------------------------------------------ Credit: a node's budget */
+typedef struct {
+    PyObject_HEAD
+    long long msgs;   /* messages it may still send without asking Python */
+    long long nbytes; /* bytes likewise (may go below 0: the last message overdrew it) */
+} Credit;
+
+static PyTypeObject CreditType;
+
+static int credit_init(Credit *self, PyObject *args, PyObject *kwds) {
+    static char *kw[] = {"msgs", "nbytes", NULL};
+    self->msgs = self->nbytes = 0;
+    return PyArg_ParseTupleAndKeywords(args, kwds, "|LL", kw, &self->msgs, &self->nbytes) ? 0
+                                                                                          : -1;
+}
+
+static PyMemberDef credit_members[] = {
+    {"msgs", T_LONGLONG, offsetof(Credit, msgs), 0, "messages left"},
+    {"nbytes", T_LONGLONG, offsetof(Credit, nbytes), 0, "bytes left (may be negative)"},
+    {NULL, 0, 0, 0, NULL}};
+
+static PyTypeObject CreditType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "fedbus.broker._fastroute.Credit",
+    .tp_basicsize = sizeof(Credit),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Credit(msgs=0, nbytes=0): what a node may still send through the fast path "
+              "before the broker's Python side refills it from the node's token buckets.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)credit_init,
+    .tp_members = credit_members,
+};
 
 /* ------------------------------------------------------------------ Held: one received frame */
 typedef struct {
@@ -315,6 +352,21 @@ static PyObject *fr_route(PyObject *mod, PyObject *args) {
             Z.msg_close(&body);
             goto fail;
         }
+        Credit *credit = NULL;
+        if (target != NULL) {
+            /* out of credit: Python refills it from the node's buckets, or refuses the
+             * message as rate_limited */
+            PyObject *cr = PyObject_GetAttr(node, s_credit);
+            if (cr == NULL)
+                PyErr_Clear();
+            else if (Py_TYPE(cr) == &CreditType && ((Credit *)cr)->msgs > 0 &&
+                     ((Credit *)cr)->nbytes > 0)
+                credit = (Credit *)cr;
+            else
+                Py_DECREF(cr);
+            if (credit == NULL)
+                Py_CLEAR(target);
+        }
         if (target != NULL) {
             PyObject *trid = PyObject_GetAttr(target, s_rid);
             Py_DECREF(target);
@@ -329,6 +381,9 @@ static PyObject *fr_route(PyObject *mod, PyObject *args) {
                 Z.msg_send(&body, sock, ZMQ_DONTWAIT);
                 Z.msg_close(&hdr);
                 Z.msg_close(&body);
+                credit->msgs -= 1;
+                credit->nbytes -= (long long)(n + blen);
+                Py_DECREF(credit);
                 if (PyObject_SetAttr(node, s_last_seen, now_obj) < 0) {
                     Py_DECREF(rid_b);
                     goto fail;
@@ -342,6 +397,7 @@ static PyObject *fr_route(PyObject *mod, PyObject *args) {
                 Py_DECREF(trid);
             }
         }
+        Py_XDECREF(credit);
         PyObject *hdr_b = PyBytes_FromStringAndSize((const char *)h, n);
         Z.msg_close(&hdr);
         PyObject *body_o = held_from(&body);
@@ -381,18 +437,25 @@ static struct PyModuleDef fr_module = {PyModuleDef_HEAD_INIT, "_fastroute",
                                        fr_methods};
 
 PyMODINIT_FUNC PyInit__fastroute(void) {
-    if (PyType_Ready(&HeldType) < 0)
+    if (PyType_Ready(&HeldType) < 0 || PyType_Ready(&CreditType) < 0)
         return NULL;
     s_rcache = PyUnicode_InternFromString("rcache");
     s_pending = PyUnicode_InternFromString("pending");
     s_rid = PyUnicode_InternFromString("rid");
     s_last_seen = PyUnicode_InternFromString("last_seen");
+    s_credit = PyUnicode_InternFromString("credit");
     PyObject *m = PyModule_Create(&fr_module);
     if (m == NULL)
         return NULL;
     Py_INCREF(&HeldType);
     if (PyModule_AddObject(m, "Held", (PyObject *)&HeldType) < 0) {
         Py_DECREF(&HeldType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&CreditType);
+    if (PyModule_AddObject(m, "Credit", (PyObject *)&CreditType) < 0) {
+        Py_DECREF(&CreditType);
         Py_DECREF(m);
         return NULL;
     }

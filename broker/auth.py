@@ -11,13 +11,16 @@ The broker has its own keypair (role ``broker``, conventionally NAME = ``broker`
 needs the broker's *public* certificate ``broker.key`` besides its own secret one.
 
 The allow-list is a folder of public certificates of role ``server`` or ``client`` (certificates
-of role ``broker`` found there are skipped). The broker's ZAP handler accepts a connection only
-if its CURVE public key is in it, and gives the connection the certificate's NAME as its ZAP
-User-Id. At registration the broker takes the node's identity from that User-Id: its name must
-be NAME, its role the certificate's role, and the client addresses it registers a subset of the
-certificate's ``clients``. The folder is re-read whenever its listing or a file's mtime changes,
-so adding a node needs no broker restart (a removed key stops new connections and
-re-registrations; a connected node keeps its session until it reconnects).
+of role ``broker`` found there are skipped), keyed by public key: each NAME.key must hold the
+certificate named NAME, and a key may be in one file only (AllowList: a file that breaks either
+rule is refused, naming both files; at the broker's start that is an error). The broker's ZAP
+handler accepts a connection only if its CURVE public key is in it, and gives the connection
+that key (z85) as its ZAP User-Id. At registration the broker finds the certificate by that key:
+the node's name is the certificate's NAME, its role the certificate's role, and the client
+addresses it registers a subset of the certificate's ``clients``. The folder is re-read whenever
+its listing or a file's mtime changes, so adding a node needs no broker restart (a removed key
+stops new connections and re-registrations; a connected node keeps its session until it
+reconnects).
 
 Address sets (the ``clients`` metadata) are comma-separated items, each an exact address or a
 numeric range written ``PREFIXlo-hi`` (or ``PREFIXlo-PREFIXhi``): ``"c0-99,c200,c300-c349"``.
@@ -44,6 +47,7 @@ __all__ = [
     "AddressSet",
     "AllowEntry",
     "AllowList",
+    "AllowListConflict",
     "AuthError",
     "BrokerCurve",
     "PeerCurve",
@@ -305,18 +309,39 @@ class AllowEntry:
         return None
 
 
+class AllowListConflict(AuthError):
+    """Certificates in the allow-list folder that contradict each other (two files with the
+    same key, or a name inside that is not the file's): at the broker's start the operator
+    must fix the folder."""
+
+
 @dataclass
 class AllowList:
-    """The public certificates of the nodes a broker admits, by raw key and by name."""
+    """The public certificates of the nodes a broker admits, keyed by raw public key.
+
+    Each file NAME.key must hold the certificate named NAME (the name inside is the node's
+    identity, so it must be the file's and hence unique), and no public key may be in two
+    files. A file that breaks either rule is refused with one line naming both files:
+
+    * at the first load (the broker's start) as an AllowListConflict, raised;
+    * on a reload (the folder changed), logged; what was loaded stays: a new file whose key
+      is already loaded from another file, or whose name inside is not its file's (another
+      node's name, ``server``...), is refused, and the genuine entry stays. Two new files
+      with one key are both refused (neither was admitted before). A loaded file rewritten
+      with a new key (``fedbus keygen NAME --force``) takes the new key (logged).
+    """
 
     directory: Path
     by_key: dict[bytes, AllowEntry] = field(default_factory=dict)  # raw 32-byte key
     by_name: dict[str, AllowEntry] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)  # refusals of the last (re)load
     _sig: tuple = ()
+    _loaded: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> AllowList:
+        """Load the folder; AllowListConflict if files contradict each other."""
         d = Path(directory)
         if not d.is_dir():
             raise AuthError(f"allow-list folder {d} does not exist")
@@ -340,41 +365,105 @@ class AllowList:
         return tuple(sorted(out))
 
     def refresh(self, force: bool = False) -> bool:
-        """Re-read the folder if it changed; True if it was re-read."""
+        """Re-read the folder if it changed; True if it was re-read. On the first load a
+        conflict raises AllowListConflict; later ones are logged (see the class doc)."""
         log = get_logger("broker.auth")
         with self._lock:
             sig = self._signature()
             if sig == self._sig and not force:
                 return False
-            by_key: dict[bytes, AllowEntry] = {}
-            by_name: dict[str, AllowEntry] = {}
-            for fname, _m, _s in sig:
-                path = self.directory / fname
-                try:
-                    cert = read_certificate(path)
-                    if cert.role == "broker":
-                        continue  # the broker's own public key, kept beside the others
-                    entry = AllowEntry(cert.name, cert.role, AddressSet(cert.clients),
-                                       cert.public, str(path))
-                    raw = z85.decode(cert.public)
-                except AuthError as e:
-                    log.warning("allow-list entry skipped", file=str(path), reason=str(e))
-                    continue
-                if raw in by_key or cert.name in by_name:
-                    log.warning("allow-list entry skipped: duplicate key or name",
-                                file=str(path), name=cert.name)
-                    continue
-                by_key[raw] = entry
-                by_name[cert.name] = entry
+            first = not self._loaded
+            by_key, problems = self._read(sig, self.by_key if not first else {})
+            if first and problems:
+                raise AllowListConflict(
+                    f"allow-list folder {self.directory}: " + "; ".join(problems)
+                    + " (fix the folder: each NAME.key must hold the certificate named NAME, "
+                    "and each public key one file; `fedbus keygen --list` shows them)")
+            for p in problems:
+                log.warning("allow-list certificate refused", folder=str(self.directory),
+                            reason=p)
+            if not first:
+                old = {e.path: e for e in self.by_key.values()}
+                for e in by_key.values():
+                    o = old.get(e.path)
+                    if o is not None and o.public != e.public:
+                        log.warning("allow-list entry has a new key", name=e.name, file=e.path)
+            by_name = {e.name: e for e in by_key.values()}
             self.by_key, self.by_name, self._sig = by_key, by_name, sig
+            self.problems, self._loaded = problems, True
+        servers = sorted(e.path for e in by_name.values() if e.role == "server")
         log.info("allow-list loaded", folder=str(self.directory), nodes=len(by_name),
-                 servers=sum(1 for e in by_name.values() if e.role == "server"))
+                 servers=len(servers), refused=len(problems))
+        if len(servers) > 1:
+            log.warning("more than one server key is allow-listed: each may register as the "
+                        "server while no other is live", files=servers)
         if not by_name:
             log.warning("the allow-list is empty: no node can connect", folder=str(self.directory))
         return True
 
+    def _read(self, sig: tuple, loaded: dict[bytes, AllowEntry]
+              ) -> tuple[dict[bytes, AllowEntry], list[str]]:
+        """The entries of the folder's files (sig) and the reasons files were refused;
+        `loaded` (the entries in use) wins a key collision with a new file."""
+        log = get_logger("broker.auth")
+        stems = {fname[:-len(PUBLIC_SUFFIX)]: fname for fname, _m, _s in sig}
+        problems: list[str] = []
+        candidates: dict[bytes, list[tuple[str, AllowEntry]]] = {}
+        for fname, _m, _s in sig:
+            path = self.directory / fname
+            stem = fname[:-len(PUBLIC_SUFFIX)]
+            try:
+                cert = read_certificate(path)
+                if cert.role == "broker":
+                    continue  # the broker's own public key, kept beside the others
+                entry = AllowEntry(cert.name, cert.role, AddressSet(cert.clients),
+                                   cert.public, str(path))
+                raw = z85.decode(cert.public)
+            except AuthError as e:
+                log.warning("allow-list entry skipped", file=str(path), reason=str(e))
+                continue
+            if cert.name != stem:
+                other = stems.get(cert.name)
+                problems.append(
+                    f"{path} holds the certificate named {cert.name!r}, not {stem!r}"
+                    + (f", the name of {self.directory / other}" if other else "")
+                    + ": refused (a certificate's name must be its file's)")
+                continue
+            candidates.setdefault(raw, []).append((fname, entry))
+        by_key: dict[bytes, AllowEntry] = {}
+        for raw, group in candidates.items():
+            if len(group) == 1:
+                by_key[raw] = group[0][1]
+                continue
+            files = [str(self.directory / f) for f, _e in group]
+            prev = loaded.get(raw)
+            keep = next((e for _f, e in group if prev is not None and e.path == prev.path), None)
+            if keep is not None:
+                by_key[raw] = keep
+                others = [f for f in files if f != keep.path]
+                problems.append(f"{', '.join(others)} holds the public key of {keep.path} "
+                                f"({keep.name!r}, loaded before): refused, {keep.path} stays")
+            else:
+                problems.append(f"{' and '.join(files)} hold the same public key: all refused "
+                                "(a key is one node's)")
+        return by_key, problems
+
     def entry(self, name: str) -> AllowEntry | None:
         return self.by_name.get(name)
+
+    def entry_for_key(self, key: bytes | str | None) -> AllowEntry | None:
+        """The entry of a public key (raw 32 bytes, or z85 text as the ZAP User-Id carries
+        it), or None."""
+        if not key:
+            return None
+        if isinstance(key, str):
+            key = key.encode("ascii", "replace")
+        if len(key) == 40:
+            try:
+                key = z85.decode(key)
+            except (ValueError, TypeError, KeyError, IndexError, struct.error):
+                return None
+        return self.by_key.get(key)
 
 
 # --------------------------------------------------------------------------- key bundles
@@ -498,7 +587,8 @@ class ZapHandler:
     """A ZAP (RFC 27) handler on inproc://zeromq.zap.01 of a zmq Context, in its own thread.
 
     CURVE requests are accepted iff the client's public key is in the allow-list; the reply's
-    User-Id is the key's name, which the broker reads from each message's metadata. Every
+    User-Id is that key in z85 (40 characters), which the broker reads from a message's
+    metadata at registration to find the key's certificate (AllowList.entry_for_key). Every
     other request is refused. Refusals are logged (at most 5 lines a second).
     """
 
@@ -585,7 +675,7 @@ class ZapHandler:
             return [b"1.0", request_id, b"400", b"unknown key", b"", b""]
         self.n_accepted += 1
         self.log.info("node key accepted", name=entry.name, role=entry.role, address=peer)
-        return [b"1.0", request_id, b"200", b"OK", entry.name.encode(), b""]
+        return [b"1.0", request_id, b"200", b"OK", entry.public, b""]
 
     def _refused(self, peer: str, reason: str, key: bytes | None) -> None:
         self.n_refused += 1

@@ -26,6 +26,15 @@ same checks, no pyzmq calls, ~2.5x the messages a second at 200 B (docs/PERFORMA
 every message it does not route comes back to dispatch() as the Python loop would pass it.
 The Python loop runs under debug logging, with FEDBUS_BROKER_FASTPATH=0, or without the
 extension; the "broker listening" line says which.
+
+Limits (PROTOCOL.md §11): what each registered node sends into the broker is metered by two
+token buckets (messages/s and bytes/s, with bursts; the server has its own, by default
+unlimited). Both loops spend a per-node credit (Node.credit) and hand a message back to
+dispatch() when it is used up; dispatch() refills the credit from the buckets or drops the
+message as `rate_limited`. Registrations are limited per key (a small burst, then about one a
+second): one over the limit is held, the newest per key, until the key's bucket allows it, so
+a key's flood reaches the server as a few `join`s. A register body is at most
+MAX_REGISTER_BYTES and is decoded with hooks that stop at a second map or list.
 """
 from __future__ import annotations
 
@@ -37,21 +46,32 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
+import msgpack
 import zmq
 
 from . import wire
-from .fastroute import fast_route, why_not
+from .fastroute import credit_type, fast_route, why_not
 from .log import get_logger
 from .peer import noted_connection, receive_idle_s
 from .wire import BROADCAST, BROKER, DEFAULT_MAX_FRAME, SERVER, WireError
 
-__all__ = ["Broker", "Node"]
+__all__ = ["Broker", "Limits", "Node", "MAX_REGISTER_BYTES"]
+
+# A register body's cap. A relay hosting 100,000 clients "c0".."c99999" registers a body of
+# 688,973 bytes (msgpack: 7 bytes per address), 100,000 addresses of 19 characters take 2.1
+# MB; 2 MiB is ~3x the first. Decoding a hostile 2 MiB body costs at most ~50 MB for a moment
+# (700,000 two-character strings; containers beyond the body's one map and one list stop the
+# decoder at once).
+MAX_REGISTER_BYTES = 2 * 1024 * 1024
+_UNLIMITED = 1 << 62
 
 # kinds a node may send to the broker itself (dst "broker")
 _CONTROL_KINDS = frozenset({"register", "heartbeat", "leave", "shutdown"})
 # kinds a node never sends to another node: only the broker sends ready/join/leave notices,
 # and register/heartbeat/leave requests go to "broker"
 _NOT_FORWARDED = frozenset({"ready", "join", "leave", "register", "heartbeat"})
+# what a node sends the broker outside its message budget (registrations have their own)
+_UNMETERED_KINDS = frozenset({"register", "heartbeat", "leave"})
 _NB = zmq.NOBLOCK
 _MORE_NB = zmq.SNDMORE | zmq.NOBLOCK
 
@@ -61,7 +81,9 @@ class Node:
 
     __slots__ = (
         "blocked_at",
+        "budget",
         "clients",
+        "credit",
         "fd",
         "is_server",
         "last_seen",
@@ -101,6 +123,10 @@ class Node:
         self.fd: int | None = None
         self.peer = None
         self.transit_noted = 0.0  # last_seen when that was last logged
+        # what it may still send (rate limits): the credit both routing loops spend, refilled
+        # from its identity's _Budget (kept across its registrations) by Broker._spend
+        self.budget: _Budget | None = None
+        self.credit = None
 
     def __repr__(self) -> str:
         return f"Node({self.name!r}, {self.role}, {len(self.clients)} clients)"
@@ -126,6 +152,121 @@ class _RateLimit:
         return False
 
 
+class Limits:
+    """The broker's rate limits (PROTOCOL.md §11); every rate 0 = unlimited.
+
+    peer_msg_rate, peer_byte_rate: what one client node may send into the broker, messages
+        and bytes a second, sustained; burst_s seconds of each may come at once. Sized for a
+        node hosting 1,000 clients answering 1,000 tasks at once (2,000 messages with their
+        evaluations, 40,000 fit a burst) and for a 10 GbE link (1 GiB/s, bursts of 2 GiB:
+        45 of a ResNet-18's 45 MB updates), while one flooding node can no longer fill the
+        server's pipe at the broker's full speed (300,000 msg/s at 200 B).
+    server_msg_rate, server_byte_rate: the same for the server node; unlimited by default (it
+        sends every task and broadcast: 1,000 tasks of 45 MB are 45 GB in a round).
+    register_rate, register_burst: registrations per key (under CURVE; per node name in
+        plaintext) a second, and how many may come at once: restarts and a relay's
+        re-registrations as its nodes join (a Peer has one registration in flight at a time,
+        and a held one is replaced by its newer list) pass; 20,000 from one key make at most
+        register_burst + register_rate x seconds `join`s at the server.
+    """
+
+    __slots__ = ("burst_s", "peer_byte_rate", "peer_msg_rate", "register_burst",
+                 "register_rate", "server_byte_rate", "server_msg_rate")
+
+    def __init__(self, *, peer_msg_rate: float = 20_000, peer_byte_rate: float = 1 << 30,
+                 server_msg_rate: float = 0, server_byte_rate: float = 0,
+                 burst_s: float = 2.0, register_rate: float = 1.0, register_burst: int = 10):
+        for k, v in (("peer_msg_rate", peer_msg_rate), ("peer_byte_rate", peer_byte_rate),
+                     ("server_msg_rate", server_msg_rate),
+                     ("server_byte_rate", server_byte_rate), ("register_rate", register_rate)):
+            if v < 0:
+                raise ValueError(f"{k} must be >= 0 (0 = unlimited), got {v}")
+        if burst_s <= 0 or register_burst < 1:
+            raise ValueError("burst_s must be > 0 and register_burst >= 1")
+        self.peer_msg_rate = float(peer_msg_rate)
+        self.peer_byte_rate = float(peer_byte_rate)
+        self.server_msg_rate = float(server_msg_rate)
+        self.server_byte_rate = float(server_byte_rate)
+        self.burst_s = float(burst_s)
+        self.register_rate = float(register_rate)
+        self.register_burst = int(register_burst)
+
+    def for_role(self, role: str) -> tuple[float, float]:
+        """(messages/s, bytes/s) for a node of this role."""
+        if role == "server":
+            return self.server_msg_rate, self.server_byte_rate
+        return self.peer_msg_rate, self.peer_byte_rate
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+class _PyCredit:
+    """The Python twin of _fastroute.Credit (used when the extension is not)."""
+
+    __slots__ = ("msgs", "nbytes")
+
+    def __init__(self, msgs: int = 0, nbytes: int = 0):
+        self.msgs = msgs
+        self.nbytes = nbytes
+
+
+class _Budget:
+    """One identity's token buckets (messages, bytes), lazily refilled into its credit."""
+
+    __slots__ = ("byte_burst", "byte_rate", "carry_b", "carry_m", "credit", "dropped",
+                 "logged_at", "msg_burst", "msg_rate", "role", "t", "told_at")
+
+    def __init__(self, role: str, limits: Limits, credit_cls, now: float):
+        self.role = role
+        self.msg_rate, self.byte_rate = limits.for_role(role)
+        # a burst never below one message (bytes may be overdrawn by the last message)
+        self.msg_burst = max(1, int(self.msg_rate * limits.burst_s))
+        self.byte_burst = max(1, int(self.byte_rate * limits.burst_s))
+        self.credit = credit_cls(self.msg_burst if self.msg_rate else _UNLIMITED,
+                                 self.byte_burst if self.byte_rate else _UNLIMITED)
+        self.t = now
+        self.carry_m = self.carry_b = 0.0
+        self.dropped = 0  # over the limit since the last log line
+        self.logged_at = self.told_at = -1e9
+
+    def refill(self, now: float) -> None:
+        dt = now - self.t
+        if dt <= 0:
+            return
+        self.t = now
+        cr = self.credit
+        if self.msg_rate:
+            add = dt * self.msg_rate + self.carry_m
+            whole = int(add)
+            if cr.msgs + whole >= self.msg_burst:
+                cr.msgs, self.carry_m = self.msg_burst, 0.0
+            else:
+                cr.msgs += whole
+                self.carry_m = add - whole
+        if self.byte_rate:
+            add = dt * self.byte_rate + self.carry_b
+            whole = int(add)
+            if cr.nbytes + whole >= self.byte_burst:
+                cr.nbytes, self.carry_b = self.byte_burst, 0.0
+            else:
+                cr.nbytes += whole
+                self.carry_b = add - whole
+
+    def retry_after_s(self) -> float:
+        """Seconds until a message (and a byte) will be allowed again."""
+        cr, t = self.credit, 0.0
+        if self.msg_rate and cr.msgs < 1:
+            t = max(t, (1 - cr.msgs - self.carry_m) / self.msg_rate)
+        if self.byte_rate and cr.nbytes < 1:
+            t = max(t, (1 - cr.nbytes - self.carry_b) / self.byte_rate)
+        return round(max(t, 0.001), 3)
+
+
+class _RegisterStop(Exception):
+    """A register body holds a container other than its one map and one list."""
+
+
 class Broker:
     """The message broker. ``Broker(bind).run()`` blocks until ``stop()`` / stop_event.
 
@@ -137,6 +278,8 @@ class Broker:
         unroutable. Default max(10 s, 4 * heartbeat_s * liveness).
     curve: an auth.BrokerCurve (keypair + allow-list) to require CurveZMQ on every endpoint;
         None = plaintext. See PROTOCOL.md §10.
+    limits: a Limits (rate limits per node and registrations per key, PROTOCOL.md §11);
+        None = the defaults.
     """
 
     def __init__(
@@ -150,6 +293,7 @@ class Broker:
         grace_s: float | None = None,
         max_pending: int = 10_000,
         max_pending_bytes: int = 256 * 1024 * 1024,
+        limits: Limits | None = None,
     ):
         if heartbeat_s <= 0 or liveness < 1:
             raise ValueError("heartbeat_s must be > 0 and liveness >= 1")
@@ -175,6 +319,9 @@ class Broker:
         self.sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_frame + 4096)
         self._send = _raw_send(self.sock)
         self._croute = fast_route(self.sock)  # (C route, socket address), or None
+        self.limits = limits if limits is not None else Limits()
+        self.max_register = min(MAX_REGISTER_BYTES, self.max_frame)
+        self._credit_cls = credit_type() or _PyCredit
         self.endpoints: list[str] = []
         binds = [bind] if isinstance(bind, str) else list(bind)
         if not binds:
@@ -228,13 +375,22 @@ class Broker:
         self.n_bad = 0
         self.n_unroutable = 0
         self.bad_reasons: dict[str, int] = {}
-        self._snap = (0, 0, 0, 0)
+        self.n_rate_limited = 0  # messages dropped over a node's rate limit
+        self.n_register_held = 0  # registrations held by the per-key limit
+        # rate limits: token buckets per identity (kept across registrations), per-key
+        # registration buckets [tokens, time], and the newest held registration per key
+        self._budgets: dict[str, _Budget] = {}
+        self._reg_buckets: dict[object, list] = {}
+        self._reg_held: dict[object, tuple] = {}
+        self._next_reg_flush = 0.0
+        self._snap = (0, 0, 0, 0, 0)
         self._rl_bad = _RateLimit(5)
         self._rl_refuse = _RateLimit(20)
         self.log.info(
             "broker listening", endpoints=self.endpoints, heartbeat_s=self.heartbeat_s,
             liveness=self.liveness, max_frame=self.max_frame, grace_s=self.grace_s,
             curve=curve is not None, fast_path="C" if self._croute else f"Python ({why_not()})",
+            limits=self.limits.as_dict(), max_register_bytes=self.max_register,
         )
 
     # ------------------------------------------------------------------ main loop
@@ -259,11 +415,15 @@ class Broker:
                     wait = min(next_hb, next_stats) - now
                     if self.backlogged:
                         wait = min(wait, 0.002)
+                    if self._reg_held:
+                        wait = min(wait, self._next_reg_flush - now)
                     wait = min(max(wait, 0.0), 0.1)
                     busy = sock.poll(int(wait * 1000) + (1 if wait > 0 else 0), zmq.POLLIN) != 0
                 if busy:
                     busy = self.process_batch()
             now = self.now = time.monotonic()
+            if self._reg_held and now >= self._next_reg_flush:
+                self.flush_held_registrations()
             if now >= next_hb:
                 self.send_heartbeats()
                 if now >= self.no_purge_until:
@@ -316,9 +476,10 @@ class Broker:
     def process_batch(self, max_msgs: int = 2048) -> bool:
         """Drain up to max_msgs messages without blocking; True if more may be waiting.
 
-        The fast path handles the common case inline: a registered node sends a canonical
-        header whose (kind, src, dst, run) prefix was validated and routed before (the route
-        cache) to a node that is taking messages. Everything else goes through dispatch().
+        The fast path handles the common case inline: a registered node with rate-limit
+        credit left sends a canonical header whose (kind, src, dst, run) prefix was validated
+        and routed before (the route cache) to a node that is taking messages. Everything else
+        goes through dispatch().
         """
         if self._croute is not None and not self.debug:
             return self._process_batch_c(max_msgs)
@@ -357,7 +518,9 @@ class Broker:
                         prefix = hdr[:-TAIL]
                         # route cache: canonical prefixes this node sent and we routed before
                         target = node.rcache.get(prefix)
-                        if target is not None and not target.pending:
+                        credit = node.credit
+                        if (target is not None and not target.pending and credit.msgs > 0
+                                and credit.nbytes > 0):
                             k1, rnd, k2, k3, k4 = unpack_tail(hdr, n - TAIL)
                             blen = len(body)
                             if (k1 == K1 and k2 == K2 and k3 == K3 and k4 == K4 and rnd >= -1
@@ -370,6 +533,8 @@ class Broker:
                                     pass  # full or gone: dispatch() holds it and says why
                                 else:
                                     node.last_seen = now
+                                    credit.msgs -= 1
+                                    credit.nbytes -= n + blen
                                     routed += 1
                                     nbytes += n + blen
                                     continue
@@ -427,6 +592,17 @@ class Broker:
             self.from_unregistered(rid, kind, src, dst, seq, body)
             return
         node.last_seen = self.now
+        if dst == BROKER and kind in _UNMETERED_KINDS:
+            self.process_node(node, kind, src, seq, body)
+            return
+        credit = node.credit
+        if credit.msgs <= 0 or credit.nbytes <= 0:
+            node.budget.refill(self.now)
+            if credit.msgs <= 0 or credit.nbytes <= 0:
+                self.rate_limited(node, kind, src, dst, seq, len(hdr) + blen)
+                return
+        credit.msgs -= 1
+        credit.nbytes -= len(hdr) + blen
         if dst == BROKER:
             self.process_node(node, kind, src, seq, body)
             return
@@ -635,20 +811,116 @@ class Broker:
                          log=False)
 
     def register(self, rid: bytes, src: str, body_frame) -> None:
-        """Register (or re-register) a node; reply "ready" or "error"."""
+        """A registration arrived: refuse an oversized body or an unknown key; register now,
+        or hold it while its key is over the registration limit (the newest per key)."""
+        blen = len(body_frame)
+        if blen > self.max_register:
+            self._register_error(
+                rid, rid.decode("utf-8", "replace"), "bad_register",
+                f"register body of {blen} bytes exceeds the limit of {self.max_register} bytes "
+                "for a registration (about 300,000 client addresses like 'c12345')")
+            return
+        ident = self._identity(rid, body_frame)
+        if ident is None:
+            return
+        name, entry = ident
+        key = entry.public if entry is not None else name
+        if key in self._reg_held:  # after the one held (it replaces it): never out of order
+            self._hold_registration(key, (rid, src, body_frame, name),
+                                    max(self._next_reg_flush - self.now, 0.001))
+            return
+        wait = self._register_token(key)
+        if wait:
+            self._hold_registration(key, (rid, src, body_frame, name), wait)
+            return
+        self._register(rid, src, body_frame, name, entry)
+
+    def _identity(self, rid: bytes, body_frame) -> tuple[str, object] | None:
+        """(node name, allow-list entry or None) of a registration's connection; None after
+        refusing it (CURVE: its key is not in the allow-list)."""
         name = rid.decode("utf-8", "replace")
-        entry = None
-        if self.curve is not None:
-            # the identity is the authenticated key's (its ZAP User-Id), not what the node says
-            user = _user_id(body_frame)
-            entry = self.curve.allow.entry(user) if user else None
-            if entry is None:
-                self._register_error(rid, name, "forbidden",
-                                     f"no allow-list entry for this connection's key ({user!r})")
-                return
-            name = user
+        if self.curve is None:
+            return name, None
+        # the identity is the authenticated key's (its ZAP User-Id is the key), not what the
+        # node says: the allow-list entry of that key names it
+        user = _user_id(body_frame)
+        entry = self.curve.allow.entry_for_key(user)
+        if entry is None:
+            self._register_error(rid, name, "forbidden",
+                                 f"no allow-list entry for this connection's key ({user!r})")
+            return None
+        return entry.name, entry
+
+    def _register_token(self, key) -> float:
+        """Take a registration token of this key: 0.0, or the seconds until one is free."""
+        rate, burst = self.limits.register_rate, float(self.limits.register_burst)
+        if not rate:
+            return 0.0
+        now = self.now
+        b = self._reg_buckets.get(key)
+        if b is None:
+            if len(self._reg_buckets) >= 100_000:  # plaintext: names are anyone's choice
+                full = [k for k, (t0, t1) in self._reg_buckets.items()
+                        if t0 + (now - t1) * rate >= burst and k not in self._reg_held]
+                for k in full or [k for k in self._reg_buckets if k not in self._reg_held]:
+                    del self._reg_buckets[k]
+            b = self._reg_buckets[key] = [burst, now]
+        tokens = min(burst, b[0] + (now - b[1]) * rate)
+        b[1] = now
+        if tokens >= 1.0:
+            b[0] = tokens - 1.0
+            return 0.0
+        b[0] = tokens
+        return max((1.0 - tokens) / rate, 0.001)
+
+    def _hold_registration(self, key, item: tuple, wait: float) -> None:
+        """Hold a registration over its key's limit until a token is free; it replaces the
+        one held for the key (a Peer's newer register carries its whole, newest list). A held
+        one from another connection is answered `rate_limited`."""
+        rid, _src, _frame, name = item
+        prev = self._reg_held.get(key)
+        retry = round(wait, 3)
+        if prev is None and len(self._reg_held) >= 10_000:
+            self._register_error(rid, name, "rate_limited",
+                                 "too many registrations are waiting at the broker: try later",
+                                 retry_after_s=retry)
+            return
+        if prev is not None and prev[0] != rid:
+            self._register_error(prev[0], prev[3], "rate_limited",
+                                 "a newer registration with this key, from another "
+                                 "connection, replaced this one", retry_after_s=retry)
+        if not self._reg_held:
+            self._next_reg_flush = self.now + wait
+        else:
+            self._next_reg_flush = min(self._next_reg_flush, self.now + wait)
+        self._reg_held[key] = item
+        self.n_register_held += 1
+        if self.debug or self._rl_refuse.allow(self.now):
+            self.log.warning("registration held: its key registers more often than the limit",
+                             node=name, register_rate=self.limits.register_rate,
+                             register_burst=self.limits.register_burst, wait_s=retry,
+                             held_total=self.n_register_held)
+
+    def flush_held_registrations(self) -> None:
+        """Register what was held, for each key whose bucket has a token again."""
+        now = self.now
+        nxt = now + 1.0
+        for key, item in list(self._reg_held.items()):
+            wait = self._register_token(key)
+            if wait:
+                nxt = min(nxt, now + wait)
+                continue
+            del self._reg_held[key]
+            rid, src, frame, _name = item
+            ident = self._identity(rid, frame)  # the allow-list may have changed meanwhile
+            if ident is not None:
+                self._register(rid, src, frame, *ident)
+        self._next_reg_flush = nxt
+
+    def _register(self, rid: bytes, src: str, body_frame, name: str, entry) -> None:
+        """Register (or re-register) a node; reply "ready" or "error"."""
         try:
-            body = wire.decode_body(body_frame, max_frame=self.max_frame)
+            body = _decode_register(body_frame)
         except WireError as e:
             self._register_error(rid, name, "bad_register", f"register body: {e}")
             return
@@ -695,6 +967,16 @@ class Broker:
                 del self.nodes[old.rid]
                 self.log.warning("node replaced by a new connection with its key", node=name)
         node = Node(name, rid, role, clients, run, self.now)
+        # its budget is its identity's, kept across registrations (a re-register refills
+        # nothing)
+        budget = self._budgets.get(name)
+        if budget is None or budget.role != role:
+            if len(self._budgets) >= 100_000:  # plaintext: names are anyone's choice
+                live = {n.name for n in self.nodes.values()}
+                self._budgets = {k: v for k, v in self._budgets.items() if k in live}
+            budget = self._budgets[name] = _Budget(role, self.limits, self._credit_cls,
+                                                   self.now)
+        node.budget, node.credit = budget, budget.credit
         if old is not None:
             node.pending, node.pending_bytes = old.pending, old.pending_bytes
             self.backlogged.discard(old)
@@ -732,12 +1014,13 @@ class Broker:
             self.notify_server("join", node, "registered")
         self.unpark(node)
 
-    def _register_error(self, rid: bytes, name: str, code: str, reason: str) -> None:
+    def _register_error(self, rid: bytes, name: str, code: str, reason: str, **extra) -> None:
         self.n_refused += 1
-        self.log.warning("registration refused", node=name, code=code, reason=reason)
+        if self.debug or self._rl_refuse.allow(self.now):
+            self.log.warning("registration refused", node=name, code=code, reason=reason)
         self.send_to(rid, self._msg("error", name or "?", {
             "code": code, "reason": reason, "kind": "register", "src": name, "dst": BROKER,
-            "seq": 0}))
+            "seq": 0, **extra}))
 
     def unregister(self, node: Node, reason: str) -> None:
         """Remove a node (it left, or it was purged); tell the server; refuse what it held."""
@@ -873,6 +1156,33 @@ class Broker:
             "code": code, "reason": reason, "kind": kind, "src": src, "dst": dst, "seq": seq,
             **extra}, run=sender.run if sender else ""))
 
+    def rate_limited(self, node: Node, kind: str, src: str, dst: str, seq: int,
+                     nbytes: int) -> None:
+        """Drop a message over its sender's rate limit: counted; the sender gets an error
+        `rate_limited` (at most 10 a second, each with retry_after_s) and the log one line a
+        second per node."""
+        self.n_rate_limited += 1
+        b = node.budget
+        b.dropped += 1
+        now = self.now
+        if now - b.logged_at >= 1.0:
+            self.log.warning(
+                "node rate-limited: messages dropped", node=node.name, role=node.role,
+                dropped=b.dropped, msg_rate=b.msg_rate, byte_rate=b.byte_rate,
+                burst_s=self.limits.burst_s, rate_limited_total=self.n_rate_limited)
+            b.logged_at, b.dropped = now, 0
+        if kind in ("error", "heartbeat", "leave") or now - b.told_at < 0.1:
+            return
+        b.told_at = now
+        limit = (f"{b.msg_rate:g} messages/s" if b.msg_rate else "") + \
+            (" and " if b.msg_rate and b.byte_rate else "") + \
+            (f"{b.byte_rate / 2**20:g} MiB/s" if b.byte_rate else "")
+        self.send_to(node.rid, self._msg("error", src or "?", {
+            "code": "rate_limited", "kind": kind, "src": src, "dst": dst, "seq": seq,
+            "reason": f"node {node.name!r} sends more than its limit of {limit} (bursts of "
+                      f"{self.limits.burst_s:g} s); {nbytes} bytes dropped",
+            "retry_after_s": b.retry_after_s()}, run=node.run))
+
     def bad_frame(self, rid: bytes, reason: str) -> None:
         """Count, log (rate-limited; every one at debug level) and drop a malformed message."""
         self.n_bad += 1
@@ -889,7 +1199,7 @@ class Broker:
     def log_stats(self, force: bool = False) -> None:
         """One info line per second with counters, when something happened."""
         self.debug = self.log.isEnabledFor(logging.DEBUG)
-        snap = (self.n_routed, self.n_bytes, self.n_refused, self.n_bad)
+        snap = (self.n_routed, self.n_bytes, self.n_refused, self.n_bad, self.n_rate_limited)
         if snap == self._snap and not force and not self._rl_bad.suppressed:
             return
         d = [a - b for a, b in zip(snap, self._snap)]
@@ -901,8 +1211,11 @@ class Broker:
                 rl.suppressed = 0
         if d[3] or extra.get("bad_suppressed"):
             extra["bad_reasons"] = dict(self.bad_reasons)
+        if self.n_register_held:
+            extra["register_held_total"] = self.n_register_held
         self.log.info(
             "counters", routed=d[0], bytes=d[1], refused=d[2], bad_frames=d[3],
+            rate_limited=d[4], rate_limited_total=snap[4],
             nodes=len(self.nodes), clients=len(self.routes) - len(self.nodes),
             held=sum(len(n.pending) for n in self.backlogged) + self.parked_count,
             routed_total=snap[0], bytes_total=snap[1], refused_total=snap[2],
@@ -935,6 +1248,40 @@ def _user_id(frame) -> str | None:
         return frame.get("User-Id") or None
     except (AttributeError, KeyError, OSError, zmq.ZMQError):  # zmq.Frame's, or fastroute's
         return None
+
+
+def _decode_register(frame):
+    """A register body: one map of strings and at most one list of strings (PROTOCOL.md §5).
+    The decoder stops at a second map or list, so a body of millions of empty containers
+    costs nothing (the frame is at most MAX_REGISTER_BYTES); WireError if it is not that."""
+    seen = [0, 0]
+
+    def on_map(pairs):
+        seen[0] += 1
+        if seen[0] > 1:
+            raise _RegisterStop("a register body is one map, with no map inside")
+        return dict(pairs)
+
+    def on_list(items):
+        seen[1] += 1
+        if seen[1] > 1:
+            raise _RegisterStop("a register body holds one list (its clients), of strings")
+        return items
+
+    view = wire.frame_view(frame)
+    if view.nbytes == 0:
+        raise WireError("empty body frame")
+    try:
+        return msgpack.unpackb(view, raw=False, object_pairs_hook=on_map, list_hook=on_list,
+                               max_bin_len=0, max_ext_len=0, max_map_len=64)
+    except _RegisterStop as e:
+        raise WireError(str(e)) from None
+    except msgpack.ExtraData:
+        raise WireError("trailing bytes after the register body") from None
+    except UnicodeDecodeError as e:
+        raise WireError(f"a str that is not valid UTF-8: {e.reason}") from None
+    except Exception as e:  # msgpack's FormatError/ValueError/StackError...
+        raise WireError(f"malformed register body: {type(e).__name__}: {e}") from None
 
 
 def _check_register(body, name: str, src: str) -> str | None:

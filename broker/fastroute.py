@@ -17,7 +17,7 @@ import os
 
 import zmq
 
-__all__ = ["fast_route", "why_not"]
+__all__ = ["credit_type", "fast_route", "why_not"]
 
 _FUNCS = ("zmq_msg_init", "zmq_msg_recv", "zmq_msg_send", "zmq_msg_close", "zmq_msg_data",
           "zmq_msg_size", "zmq_msg_more", "zmq_msg_get", "zmq_msg_gets", "zmq_send",
@@ -40,6 +40,9 @@ def _load():
             raise RuntimeError("the extension fedbus.broker._fastroute is not built (pip "
                                "builds it where a C compiler and the Python headers are "
                                f"found): {e}") from None
+        if not hasattr(_fastroute, "Credit"):  # built from an older _fastroute.c
+            raise RuntimeError("the extension fedbus.broker._fastroute predates the broker's "
+                               "rate limits (no Credit type): rebuild it (pip install -e .)")
 
         lib = ctypes.CDLL(_backend_file())  # dlsym also searches its dependencies: libzmq
         _fastroute.bind(*(ctypes.cast(getattr(lib, f), ctypes.c_void_p).value for f in _FUNCS))
@@ -67,6 +70,14 @@ def fast_route(sock: zmq.Socket):
     if mod is None:
         return None
     return mod.route, sock.underlying
+
+
+def credit_type():
+    """The C extension's Credit type (a node's rate-limit credit that the fast path spends),
+    or None when the extension is not in use (the broker then uses a Python class with the
+    same two attributes, msgs and nbytes)."""
+    mod = _load()
+    return None if mod is None else mod.Credit
 
 
 def why_not() -> str | None:
