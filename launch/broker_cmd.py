@@ -8,6 +8,12 @@ default tcp://0.0.0.0:5555 included): the broker then needs its keypair and an a
 The routing loop runs in C where pip built the optional extension (broker/_fastroute.c),
 else in Python with the same checks; its first log line says which (fast_path="C").
 FEDBUS_BROKER_FASTPATH=0 picks the Python loop, as does --log-level debug.
+
+Rate limits (PROTOCOL.md §11): what each client node sends into the broker is limited to
+--peer-msg-rate messages and --peer-mb-rate MiB a second (bursts of --burst-s seconds of
+each), the server's to --server-msg-rate / --server-mb-rate (unlimited by default), and
+registrations to --register-rate a second per key after a burst of --register-burst; 0 =
+unlimited. A message over its sender's limit is dropped and answered `rate_limited`.
 """
 from __future__ import annotations
 
@@ -46,6 +52,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the broker's key name in --keys-dir (default broker)")
     parser.add_argument("--allow-dir", default=None,
                         help="allow-list folder of node public keys (*.key; default --keys-dir)")
+    limits = parser.add_argument_group(
+        "rate limits (PROTOCOL.md §11; 0 = unlimited)")
+    limits.add_argument("--peer-msg-rate", type=float, default=20_000, metavar="N",
+                        help="messages a second one client node may send (default 20000)")
+    limits.add_argument("--peer-mb-rate", type=float, default=1024, metavar="MIB",
+                        help="MiB a second one client node may send (default 1024)")
+    limits.add_argument("--server-msg-rate", type=float, default=0, metavar="N",
+                        help="messages a second the server node may send (default 0: "
+                             "unlimited)")
+    limits.add_argument("--server-mb-rate", type=float, default=0, metavar="MIB",
+                        help="MiB a second the server node may send (default 0: unlimited)")
+    limits.add_argument("--burst-s", type=float, default=2.0, metavar="S",
+                        help="a node may send this many seconds' worth of its rates at once "
+                             "(default 2)")
+    limits.add_argument("--register-rate", type=float, default=1.0, metavar="N",
+                        help="registrations a second per key, after the burst (default 1; "
+                             "one over it waits, the newest per key)")
+    limits.add_argument("--register-burst", type=int, default=10, metavar="N",
+                        help="registrations per key at once (default 10)")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"],
                         help="log level (debug logs one line per routed message, so it also "
@@ -54,8 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from fedbus.broker.auth import AuthError, is_loopback, load_broker_curve
-    from fedbus.broker.broker import Broker
+    from fedbus.broker.auth import (AllowListConflict, AuthError, is_loopback,
+                                    load_broker_curve)
+    from fedbus.broker.broker import Broker, Limits
     from fedbus.broker.log import configure_logging, get_logger
 
     configure_logging(level=args.log_level, json_file=args.log_file, process="broker")
@@ -71,6 +97,9 @@ def main(args: argparse.Namespace) -> int:
         keys_dir = args.keys_dir or os.environ.get("FEDBUS_KEYS_DIR", "keys")
         try:
             curve = load_broker_curve(keys_dir, name=args.key, allow_dir=args.allow_dir)
+        except AllowListConflict as e:
+            log.error(str(e))
+            return 2
         except AuthError as e:
             why = "--curve" if args.curve else f"endpoint(s) {exposed} are not loopback"
             log.error("CurveZMQ keys needed (" + why + "): " + str(e) + ". Create them "
@@ -83,8 +112,18 @@ def main(args: argparse.Namespace) -> int:
                     " Use this only on a trusted private network (SECURITY.md) !!!",
                     endpoints=exposed)
     try:
+        limits = Limits(peer_msg_rate=args.peer_msg_rate,
+                        peer_byte_rate=args.peer_mb_rate * 1024 * 1024,
+                        server_msg_rate=args.server_msg_rate,
+                        server_byte_rate=args.server_mb_rate * 1024 * 1024,
+                        burst_s=args.burst_s, register_rate=args.register_rate,
+                        register_burst=args.register_burst)
+    except ValueError as e:
+        log.error(f"bad rate limit: {e}")
+        return 2
+    try:
         broker = Broker(binds, heartbeat_s=args.heartbeat_s, liveness=args.liveness,
-                        max_frame=max_frame, grace_s=args.grace_s, curve=curve)
+                        max_frame=max_frame, grace_s=args.grace_s, curve=curve, limits=limits)
     except Exception as e:  # a bad endpoint, a port in use, ...
         log.error("broker failed to start", endpoints=binds, error=f"{type(e).__name__}: {e}")
         return 1

@@ -32,28 +32,51 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"keys folder (default {DEFAULT_KEYS_DIR}; env FEDBUS_KEYS_DIR)")
     p.add_argument("--force", action="store_true", help="replace an existing keypair")
     p.add_argument("--list", action="store_true",
-                   help="list the certificates in --dir (name, role, clients, public key)")
+                   help="list the certificates in --dir: file, the name inside, role, clients, "
+                        "public key; flags a name that is not the file's and a key in two "
+                        "files (the broker refuses both)")
 
 
 def _list(directory: Path) -> int:
+    """One line per certificate: file, NAME inside, role, clients, public key; then what the
+    broker would refuse (a name inside that is not the file's, a key in two files)."""
     from fedbus.broker.auth import PUBLIC_SUFFIX, SECRET_SUFFIX, AuthError, read_certificate
 
     if not directory.is_dir():
         print(f"fedbus keygen: {directory} does not exist", file=sys.stderr)
         return 2
     rows = []
+    public_files: dict[bytes, list[str]] = {}
+    stems = {p.name[:-len(PUBLIC_SUFFIX)] for p in directory.iterdir()
+             if p.name.endswith(PUBLIC_SUFFIX)}
     for path in sorted(directory.iterdir()):
         if not path.name.endswith((PUBLIC_SUFFIX, SECRET_SUFFIX)):
             continue
         try:
             c = read_certificate(path)
         except AuthError as e:
-            rows.append((path.name, "?", "", str(e)))
+            rows.append((path.name, "?", "?", "", str(e), ""))
             continue
-        kind = "secret" if c.secret is not None else "public"
-        rows.append((path.name, c.role, c.clients, f"{kind} {c.public.decode()}"))
-    for name, role, clients, key in rows:
-        print(f"{name:<28} {role:<7} {clients or '-':<24} {key}")
+        secret = c.secret is not None
+        stem = path.name[:-len(SECRET_SUFFIX if secret else PUBLIC_SUFFIX)]
+        flag = ""
+        if c.name != stem:
+            flag = f"!! name {c.name!r} is not the file's"
+            if not secret and c.name in stems:
+                flag += f" but {c.name}{PUBLIC_SUFFIX}'s"
+            flag += ": the broker refuses it"
+        if not secret and c.role != "broker":
+            public_files.setdefault(c.public, []).append(path.name)
+        rows.append((path.name, c.name, c.role, c.clients,
+                     f"{'secret' if secret else 'public'} {c.public.decode()}", flag))
+    print(f"{'file':<28} {'name':<20} {'role':<7} {'clients':<24} key")
+    for fname, name, role, clients, key, flag in rows:
+        print(f"{fname:<28} {name:<20} {role:<7} {clients or '-':<24} {key}"
+              + (f"  {flag}" if flag else ""))
+    for key, files in public_files.items():
+        if len(files) > 1:
+            print(f"!! {' and '.join(files)} hold the same public key {key.decode()}: the "
+                  "broker refuses the newcomer (or both, at its start)")
     return 0
 
 
