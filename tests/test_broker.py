@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import signal
+import threading
 import time
 
 import msgpack
@@ -504,3 +505,293 @@ def test_logging_writes_json_lines_and_plain_console(spawn_py, tmp_path):
     # stderr is not a TTY here: plain key=value lines, still structlog
     err = proc.stderr()
     assert "event='hello'" in err and "level='warning'" in err and "hidden" not in err
+
+
+# ---------------------------------------------------------------------------- limits (issue 30)
+def _drain(sock, into: list, stop=None, idle_s: float = 0.0) -> threading.Thread | None:
+    """Read [header, body] messages from a raw socket into `into`: in a thread until stop is
+    set (nothing else may use the socket meanwhile), or here until idle_s without any."""
+    def run():
+        while not (stop.is_set() if stop is not None else False):
+            if not sock.poll(50 if stop is not None else int(idle_s * 1000)):
+                if stop is None:
+                    return
+                continue
+            while True:
+                try:
+                    into.append(sock.recv_multipart(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+    if stop is None:
+        run()
+        return None
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _update(src: str, seq: int, body: bytes, dst: str = "server", kind: str = "update"):
+    return [wire.encode_header(kind, src, dst, run="", round=0, seq=seq, inc=9, ts=1.0), body]
+
+
+@pytest.mark.parametrize("limit", ["messages", "bytes"])
+def test_a_flooding_node_is_rate_limited_and_others_still_flow(tcp_endpoint, broker_proc,
+                                                               fast_path, limit):
+    """One client node floods the server: the broker passes its burst and its rate, drops the
+    rest with `rate_limited` (counted, logged), and the other node's messages and the
+    server's own (unlimited by default) all arrive."""
+    b = broker_proc(tcp_endpoint, start=False, fast_path=fast_path)
+    if limit == "messages":  # 1,000 messages/s, bursts of 1,000; 200 B bodies
+        b.args += ["--peer-msg-rate", "1000", "--burst-s", "1"]
+        n_flood, body, rate, burst = 30_000, bytes(200), 1000, 1000
+    else:  # 1 MiB/s, bursts of 1 MiB; 64 KiB bodies
+        b.args += ["--peer-mb-rate", "1", "--burst-s", "1"]
+        n_flood, body, rate, burst = 400, bytes(64 * 1024), 1 << 20, 1 << 20
+    b.start()
+    assert_loop(b, fast_path)
+    assert b.events("broker listening")[-1]["limits"]["server_msg_rate"] == 0
+    ctx = zmq.Context()
+    server = raw_dealer(ctx, tcp_endpoint, "srv")
+    flood = raw_dealer(ctx, tcp_endpoint, "flood")
+    honest = raw_dealer(ctx, tcp_endpoint, "honest")
+    for s in (server, flood, honest):
+        s.setsockopt(zmq.SNDTIMEO, 30_000)
+    assert raw_register(server, "srv", "server", []).kind == "ready"
+    assert raw_register(flood, "flood", "client", ["c0"]).kind == "ready"
+    assert raw_register(honest, "honest", "client", ["c1"]).kind == "ready"
+    at_server, at_flood, at_honest = [], [], []
+    stop = threading.Event()
+    reader = _drain(server, at_server, stop)  # the server reads in a thread, alone
+
+    def from_(src):
+        return [wire.decode_header(f[0]) for f in at_server
+                if wire.decode_header(f[0])["src"] == src]
+
+    try:
+        t0 = time.monotonic()
+        for i in range(1, n_flood + 1):
+            flood.send_multipart(_update("c0", i, body), copy=False)
+            if i % 100 == 0:  # the honest node, meanwhile, at its ordinary pace
+                honest.send_multipart(_update("c1", i // 100, b"\x80"))
+        t_flood = time.monotonic() - t0
+        n_honest = n_flood // 100
+        wait_for(lambda: len(from_("c1")) >= n_honest, 60, message="the honest node's updates")
+        stop.set()
+        reader.join(5)
+        assert sorted(h["seq"] for h in from_("c1")) == list(range(1, n_honest + 1))
+        for j in range(300):  # the server: 300 tasks at once to c1 (its limit: none)
+            server.send_multipart(_update("server", j + 1, bytes(200), dst="c1", kind="task"))
+        wait_for(lambda: (_drain(honest, at_honest, idle_s=0.05),
+                          len([f for f in at_honest if wire.decode_header(f[0])["kind"]
+                               == "task"]) >= 300)[1], 60, message="the server's tasks")
+        assert [h["seq"] for f in at_honest
+                if (h := wire.decode_header(f[0]))["kind"] == "task"] == list(range(1, 301))
+        _drain(flood, at_flood, idle_s=0.2)
+        _drain(server, at_server, idle_s=0.2)
+        passed = len(from_("c0"))
+        per_msg = 1 if limit == "messages" else len(body) + 60
+        allowed = (burst + rate * (t_flood + 1.0)) / per_msg + 10
+        assert 0 < passed <= allowed < n_flood, (passed, allowed, t_flood)
+        errors = [wire.decode(f) for f in at_flood]
+        codes = {m.body["code"] for m in errors if m.kind == "error"}
+        assert codes == {"rate_limited"}, codes
+        first = next(m.body for m in errors if m.kind == "error")
+        assert first["kind"] == "update" and first["src"] == "c0" and first["seq"] > 0
+        assert 0 < first["retry_after_s"] <= 1.0 and "limit" in first["reason"]
+        lines = wait_for(lambda: b.events("node rate-limited: messages dropped"), 10)
+        assert lines[0]["node"] == "flood" and lines[0]["dropped"] >= 1
+        assert len(lines) <= t_flood + 3  # one line a second
+        wait_for(lambda: [r for r in b.events("counters")
+                          if r.get("rate_limited_total", 0) >= n_flood - passed], 10,
+                 message="the drops in the counters")
+        # its bucket refills: after a pause the flooder is served again
+        time.sleep(1.2 if limit == "messages" else 2.2)
+        flood.send_multipart(_update("c0", n_flood + 1, body))
+        wait_for(lambda: (_drain(server, at_server, idle_s=0.05),
+                          any(h["seq"] == n_flood + 1 for h in from_("c0")))[1], 10,
+                 message="the flooder's message after its pause")
+    finally:
+        stop.set()
+        reader.join(5)
+        for s in (server, flood, honest):
+            s.close()
+        ctx.term()
+
+
+def _curve_dealer(ctx, endpoint: str, curve, rid: bytes) -> zmq.Socket:
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.IDENTITY, rid)
+    s.setsockopt(zmq.SNDTIMEO, 30_000)
+    s.curve_serverkey, s.curve_publickey, s.curve_secretkey = (
+        curve.broker_public, curve.public, curve.secret)
+    s.connect(endpoint)
+    return s
+
+
+def test_a_registration_flood_from_one_key_reaches_the_server_as_a_few_joins(
+        tmp_path, broker_proc):
+    """20,000 registrations from one valid key (a raw CURVE socket that never reads its
+    answers) make at most register_burst + register_rate x seconds `join`s at the server
+    (the default limit: 10, then 1 a second); a legitimate node registers meanwhile."""
+    from fedbus.broker import auth
+
+    keys = tmp_path / "keys"
+    auth.write_keypair(keys, "broker", "broker")
+    auth.write_keypair(keys, "server", "server")
+    auth.write_keypair(keys, "node-a", "client", clients="c0-2")
+    auth.write_keypair(keys, "node-b", "client", clients="c3-5")
+    b = broker_proc(tcp_endpoint_for(), start=False, heartbeat_s=0.5, liveness=6)
+    b.args += ["--curve", "--keys-dir", str(keys)]
+    b.start()
+    ep = b.endpoint
+    hb = {"heartbeat_s": 0.5, "liveness": 6}
+    server = Peer(ep, "server", role="server", curve=auth.load_peer_curve(keys, "server"), **hb)
+    server.start(30)
+    ctx = zmq.Context()
+    a = auth.load_peer_curve(keys, "node-a")
+    flood = _curve_dealer(ctx, ep, a, auth.peer_routing_id("node-a"))
+    reg = wire.encode(Message("register", "node-a", "broker",
+                              {"role": "client", "node": "node-a", "clients": ["c0"]}))
+    good = None
+    try:
+        t0 = time.monotonic()
+        for i in range(20_000):
+            flood.send_multipart(reg, copy=False)
+        good = Peer(ep, "node-b", role="client", addresses=["c3"],
+                    curve=auth.load_peer_curve(keys, "node-b"), **hb)
+        good.start(30)
+        good.send("update", "server", {"ok": 1}, src="c3")
+        joins, ok = [], None
+        deadline = time.monotonic() + 30
+        while ok is None and time.monotonic() < deadline:
+            m = server.recv(1.0)
+            if m is not None and m.kind == "join":
+                joins.append(m.body["node"])
+            elif m is not None and m.kind == "update":
+                ok = m.body
+        assert ok == {"ok": 1}
+        time.sleep(1.0)
+        while (m := server.recv(0.2)) is not None:
+            if m.kind == "join":
+                joins.append(m.body["node"])
+        elapsed = time.monotonic() - t0
+        n_a = joins.count("node-a")
+        assert joins.count("node-b") == 1
+        assert 1 <= n_a <= 10 + elapsed + 2, (n_a, elapsed)
+        held = b.events("registration held: its key registers more often than the limit")
+        assert held and held[0]["node"] == "node-a" and held[0]["register_burst"] == 10
+        wait_for(lambda: [r for r in b.events("counters")
+                          if r.get("register_held_total", 0) > 10_000], 10,
+                 message="held registrations in the counters")
+        assert b.alive
+    finally:
+        flood.close()
+        ctx.term()
+        if good is not None:
+            good.close()
+        server.close()
+
+
+def tcp_endpoint_for() -> str:
+    from conftest import free_port
+
+    return f"tcp://127.0.0.1:{free_port()}"
+
+
+def _peak_rss(pid: int) -> int:
+    """The process's peak resident set (VmHWM), in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_a_huge_register_body_is_refused_without_growing_the_broker(tcp_endpoint, broker_proc):
+    """A register body has its own cap (MAX_REGISTER_BYTES, 2 MiB: a relay's 100,000 client
+    addresses take 0.69 MB and pass). 64 MiB of empty maps (4.2 GB in the broker before), and
+    2 MiB bodies of empty maps or of tiny strings, are refused; the broker's peak RSS grows by
+    less than one such frame's few copies, not by gigabytes."""
+    import psutil
+
+    from fedbus.broker.broker import MAX_REGISTER_BYTES
+
+    b = broker_proc(tcp_endpoint)
+    proc = psutil.Process(b.proc.pid)
+    ctx = zmq.Context()
+    relay = raw_dealer(ctx, tcp_endpoint, "relay")
+    clients = [f"c{i}" for i in range(100_000)]
+    assert len(wire.encode_body({"role": "client", "node": "relay", "clients": clients})) < \
+        MAX_REGISTER_BYTES / 2
+    ready = raw_register(relay, "relay", "client", clients)
+    assert ready.kind == "ready" and len(ready.body["clients"]) == 100_000
+    time.sleep(0.5)
+    base_peak, base_rss = _peak_rss(proc.pid), proc.memory_info().rss
+    evil = raw_dealer(ctx, tcp_endpoint, "evil")
+
+    def register_raw(body: bytes) -> Message:
+        evil.send_multipart([wire.encode_header("register", "evil", "broker", run="", round=-1,
+                                                seq=0, inc=1, ts=1.0), body])
+        m = raw_recv(evil, 60)
+        assert m is not None and m.kind == "error" and m.body["kind"] == "register", m
+        return m
+
+    n = 64 * 1024 * 1024 - 64
+    head = b"\x83\xa4role\xa6client\xa4node\xa4evil\xa7clients\xdd"
+    huge = head + (n - len(head) - 4).to_bytes(4, "big") + b"\x80" * (n - len(head) - 4)
+    m = register_raw(huge)
+    assert m.body["code"] == "bad_register" and "exceeds the limit" in m.body["reason"]
+    k = MAX_REGISTER_BYTES - 64
+    maps = head + k.to_bytes(4, "big") + b"\x80" * k
+    m = register_raw(maps)
+    assert m.body["code"] == "bad_register" and "one map" in m.body["reason"], m.body
+    k = (MAX_REGISTER_BYTES - 64) // 3
+    strs = head + k.to_bytes(4, "big") + b"".join(
+        b"\xa2" + bytes([97 + i % 26, 97 + i // 26 % 26]) for i in range(k))
+    m = register_raw(strs)
+    assert m.body["code"] == "bad_register" and "listed twice" in m.body["reason"], m.body
+    time.sleep(0.5)
+    grew = _peak_rss(proc.pid) - base_peak
+    assert grew < 3 * 64 * 1024 * 1024, f"peak RSS grew by {grew / 2**20:.0f} MiB"
+    assert proc.memory_info().rss - base_rss < 64 * 1024 * 1024
+    # the broker goes on: the relay re-registers with another list
+    assert raw_register(relay, "relay", "client", clients[:10]).kind == "ready"
+    relay.close()
+    evil.close()
+    ctx.term()
+
+
+def test_a_relay_re_registering_as_its_nodes_join_is_not_starved(tcp_endpoint, broker_proc):
+    """A relay registers again each time a node joins below it (Peer.set_addresses): 60
+    joins in a second go over the registration limit (10 at once, then 1 a second), and the
+    broker holds the newest registration instead of refusing it, so the relay stays
+    registered and the server soon sees its whole, final list."""
+    b = broker_proc(tcp_endpoint, heartbeat_s=0.5, liveness=6)
+    hb = {"heartbeat_s": 0.5, "liveness": 6}
+    server = Peer(tcp_endpoint, "srv", role="server", **hb)
+    server.start(30)
+    relay = Peer(tcp_endpoint, "relay", role="client", addresses=["c0"], **hb)
+    relay.start(30)
+    try:
+        final = [f"c{i}" for i in range(60)]
+        for k in range(2, 61):
+            relay.set_addresses(final[:k])
+            time.sleep(0.015)
+        last = None
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and last != final:
+            m = server.recv(1.0)
+            if m is not None and m.kind == "join":
+                last = m.body["clients"]
+        assert last == final
+        # (a relay sends from an address once the server, told by that join, addressed it)
+        relay.send("update", "server", {"done": 1}, src="c59")
+        m = recv_until(server, lambda m: m.kind == "update", 10)
+        assert (m.src, m.body) == ("c59", {"done": 1})
+        assert b.events("registration held: its key registers more often than the limit")
+        assert not b.events("registration refused")
+        assert relay.n_reconnects == 0
+    finally:
+        relay.close()
+        server.close()
