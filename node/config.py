@@ -120,6 +120,14 @@ SCHEMA: dict[str, dict[str, Opt]] = {
                            min=0.0),
         "withhold_counts": Opt(False, "upload class presence (0/1) instead of sample counts"),
     },
+    "security": {
+        "max_proto_norm": Opt(0.0, "the server refuses an uploaded prototype longer than this "
+                              "(L2); 0 = auto: privacy.clip_norm plus its noise's allowance "
+                              "when clipping, else 1e4", min=0.0),
+        "max_update_norm": Opt(1e4, "the server refuses an update whose other float arrays "
+                               "(a weight delta, a head, logits) have a larger L2 norm "
+                               "together; 0 = unbounded", min=0.0),
+    },
     "bus": {
         "broker": Opt("", "broker address; empty lets `fedbus run` start one on loopback"),
         "transport": Opt("tcp", "transport for a local run", ("tcp", "ipc")),
@@ -272,8 +280,11 @@ def build_config(raw: Mapping[str, Any], overrides: Sequence[str] = ()) -> Confi
             opts = {**opts, **algorithm_params(table.get("name", opts["name"].default))}
         unknown = sorted(set(table) - set(opts))
         if unknown:
+            from fedbus.algorithms.robust import unsupported_hint
+
             raise ConfigError(f"unknown key {section}.{unknown[0]}; [{section}] keys are "
-                              f"{', '.join(sorted(opts))}")
+                              f"{', '.join(sorted(opts))}"
+                              f"{unsupported_hint(section, unknown[0])}")
         out[section] = {key: _check(section, key, opt, table[key]) if key in table
                         else copy.deepcopy(opt.default) for key, opt in opts.items()}
     _check_consistency(out)

@@ -33,6 +33,7 @@ import numpy as np
 from fedbus.algorithms.base import ClientUpdate, Failure, RoundInfo, ServerHandler, Work
 from fedbus.algorithms.merge import members_of
 from fedbus.node.config import Config
+from fedbus.node.validate import Norms, proto_bound
 
 SERVER = "server"
 # Segmentation runs: at the final evaluation the first MASK_CLIENTS evaluated clients
@@ -47,7 +48,10 @@ def client_address(client: int) -> str:
 
 
 def client_index(address: str) -> int:
-    if not address.startswith("c") or not address[1:].isdigit():
+    """c<int> -> int, in exactly the spelling client_address writes: "c03" and "c3" must not
+    name one client twice (a merged update listing both once crashed the server)."""
+    if not isinstance(address, str) or not address.startswith("c") or \
+            not address[1:].isdigit() or address != f"c{int(address[1:])}":
         raise ValueError(f"not a client address: {address!r}")
     return int(address[1:])
 
@@ -110,6 +114,39 @@ class Out:
     dst: str
     round: int
     body: dict[str, Any]
+
+
+@dataclass
+class Refusal:
+    """A message the shell refused (fedbus.node.validate, the engine's header rules): an
+    engine event, logged compactly in the message log instead of the message, so a replay
+    takes it without the refused bytes. `task`: the live task an update answered (that task
+    is over); `tasks`: the [address, task] of a refused merged update's members the sender
+    hosts; `eval`: the evaluation a refused result was for (the client drops out of it);
+    `answer`: whether an error goes back to the sender."""
+
+    kind: str
+    src: str
+    reason: str
+    round: int = -1
+    task: int | None = None
+    tasks: list[list[Any]] = field(default_factory=list)
+    eval: int | None = None
+    answer: bool = True
+
+    def changes_state(self) -> bool:
+        return self.task is not None or bool(self.tasks) or self.eval is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "src": self.src, "reason": self.reason[:300],
+                "round": self.round, "task": self.task, "tasks": self.tasks,
+                "eval": self.eval, "answer": self.answer}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Refusal:
+        return cls(str(d["kind"]), str(d["src"]), str(d["reason"]), int(d.get("round", -1)),
+                   d.get("task"), [list(t) for t in d.get("tasks") or ()], d.get("eval"),
+                   bool(d.get("answer", True)))
 
 
 @dataclass
@@ -219,8 +256,15 @@ class Engine:
         # shell's bound on an update's per-class counts (fedbus.node.validate).
         self.label_pixels = 1
         self.events: list[dict[str, Any]] = []  # notable happenings for the log/progress
+        # rejected: updates and merged updates refused; refused: any other message refused
         self.totals = {"bytes_up": 0, "bytes_down": 0, "params_up": 0, "params_down": 0,
-                       "rejected": 0, "late_dropped": 0, "late_folded": 0}
+                       "rejected": 0, "refused": 0, "late_dropped": 0, "late_folded": 0}
+        # What each client's messages can honestly claim, from the server's own partition
+        # (build_engine fills them): samples per class of its training set, and the size
+        # of its test set; and the norm bounds of every upload (SECURITY.md).
+        self.class_samples: dict[int, np.ndarray] = {}
+        self.test_sizes: dict[int, int] = {}
+        self.norms = server_norms(cfg, handler)
         # async bookkeeping of the current aggregation window
         self.window = RoundState(0, 0.0, [], 0.0, 0.0)
         self.slow = self._pick_slow_clients()
@@ -231,8 +275,53 @@ class Engine:
         self.eval_metrics: list[Callable[[ServerHandler, dict[str, Any]], dict[str, Any]]] = []
 
     def max_samples(self, client: int) -> int:
-        """The most samples an update from `client` can honestly claim."""
-        return self.train_sizes.get(client, 1 << 40)
+        """The most samples an update from `client` can honestly claim (0 for a client the
+        run does not have)."""
+        if self.train_sizes:
+            return self.train_sizes.get(client, 0)
+        return 1 << 40
+
+    def class_max(self, client: int) -> np.ndarray | None:
+        """The client's training samples per class (None: unknown)."""
+        return self.class_samples.get(client)
+
+    def test_size(self, client: int) -> int:
+        return self.test_sizes.get(client, 1 << 40)
+
+    def on_refused(self, r: Refusal, now: float) -> list[Out]:
+        """The shell refused a message: count it; an update's live task, a merged update's
+        members' tasks, a result's evaluation go on without it."""
+        self.totals["rejected" if r.kind in ("update", "merged") else "refused"] += 1
+        self.events.append({"event": "rejected", "kind": r.kind, "src": r.src,
+                            "reason": r.reason})
+        out: list[Out] = []
+        if r.answer:
+            body: dict[str, Any] = {"code": "rejected", "reason": r.reason}
+            if r.kind == "update":
+                body["task"] = r.task if isinstance(r.task, int) else None
+            out.append(Out("error", r.src, r.round, body))
+        if r.task is not None:
+            out += self.on_task_failed(r.src, r.task, now, reason="rejected")
+        for address, tid in r.tasks:
+            out += self.on_task_failed(address, tid, now, reason="rejected")
+        if r.eval is not None:
+            out += self._eval_dropped(r.eval, r.src, now)
+        return out
+
+    def _eval_dropped(self, eid: Any, src: str, now: float) -> list[Out]:
+        """A client's result for evaluation eid was refused: the evaluation no longer waits
+        for it (it finishes now if that was the last one it waited for)."""
+        ev = self.evals.get(eid) if isinstance(eid, int) else None
+        try:
+            client = client_index(src)
+        except ValueError:
+            return []
+        if ev is None or client not in ev.expected or client in ev.results:
+            return []
+        ev.expected.discard(client)
+        if len(ev.results) >= len(ev.expected):
+            return self._finish_eval(eid, now)
+        return []
 
     def note_sent(self, out: Out, nbytes: int, params: int) -> None:
         """The shell reports what a sent task or eval weighed on the wire."""
@@ -426,7 +515,16 @@ class Engine:
                 "budget_s": self.cfg.train.budget_s,
                 "seed": task_seed(self.fed.seed, client, self.version),
                 "sim": self._simulate(client),
+                "bound": self.client_bound(client),
                 "payload": self.handler.make_task(client, info)}
+
+    def client_bound(self, client: int) -> dict[str, Any]:
+        """What the client's answer may claim, carried in its task for a relay, which builds
+        no data set and checks each member's update before merging it (fedbus.node.relay):
+        its training samples, per class where known, and labelled units a sample."""
+        per_class = self.class_samples.get(client)
+        return {"samples": self.max_samples(client), "units": self.label_pixels,
+                "classes": None if per_class is None else [int(v) for v in per_class]}
 
     def _sample(self, candidates: list[int], k: int) -> list[int]:
         k = min(k, len(candidates))
@@ -794,6 +892,15 @@ class Engine:
         self.next_eval_id = int(state["next_eval_id"])
         self.totals.update(state["totals"])
         self.handler.load_state_dict(state["handler"])
+
+
+def server_norms(cfg: Config, handler: ServerHandler) -> Norms:
+    """The norm bounds the server enforces (config [security]; fedbus.node.validate)."""
+    sec, priv = cfg.security, cfg.privacy
+    dim = int(getattr(handler.ctx, "feature_dim", 0) or 0)
+    return Norms(proto=proto_bound(float(sec.max_proto_norm), float(priv.clip_norm),
+                                   float(priv.noise_sigma), dim),
+                 update=float(sec.max_update_norm))
 
 
 def embedding_clients(targets: list[int], most: int) -> list[int]:

@@ -4,7 +4,12 @@ engine, so `fedbus replay` can re-execute the run.
 
 messages.bin  8-byte magic, then records: u32 length, u32 crc32, payload.
               payload = msgpack [direction, time, frame0, frame1] where
-              direction is "in", "out" or "tick" (frames empty for ticks).
+              direction is "in", "out", "tick" (frames empty for ticks),
+              "resume" (frame 1: the checkpoint resumed from) or "refused"
+              (frame 1: a refusal the engine took, fedbus.node.engine.Refusal,
+              or {"count": {...}} of refusals that changed only a counter; the
+              refused message itself is not stored). Answers to refusals
+              ("error" messages) are not logged: a replay makes them again.
 messages.jsonl one JSON line per record: i, off, t, dir, kind, src, dst,
               round, seq, bytes, sha256 of the body frame.
 
@@ -41,7 +46,7 @@ class LogCorrupt(ValueError):
 class Record:
     index: int
     offset: int
-    direction: str  # in | out | tick
+    direction: str  # in | out | tick | resume | refused
     time: float
     frames: list[bytes]
 

@@ -35,6 +35,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from fedbus.algorithms import get_algorithm
 from fedbus.algorithms.base import Work
 from fedbus.algorithms.local import resolved_params
@@ -44,7 +46,7 @@ from fedbus.broker.peer import Peer
 from fedbus.broker.wire import BROADCAST, BROKER, SERVER, Message
 from fedbus.node.config import build_config
 from fedbus.node.engine import client_index
-from fedbus.node.validate import non_finite
+from fedbus.node.validate import Norms, Rejected, check_update, proto_bound
 
 log = get_logger("fedbus.relay")
 
@@ -58,6 +60,7 @@ class Group:
     expected: int  # the round's tasks the server sent this relay ("node_tasks")
     deadline: float  # monotonic
     tasks: dict[str, int] = field(default_factory=dict)  # client address -> task id
+    bounds: dict[str, Any] = field(default_factory=dict)  # client address -> task's "bound"
     done: set[str] = field(default_factory=set)  # answered (merged or forwarded) or failed
     members: list[list[Any]] = field(default_factory=list)  # [address, task, n, work]
     total: dict[str, Any] | None = None  # the rule's sum form
@@ -99,7 +102,10 @@ class Relay:
         self.up: Peer | None = None
         self.down: Peer | None = None
         self.stats = {"merged_sent": 0, "merged_clients": 0, "forwarded_updates": 0,
-                      "late_forwarded": 0, "tasks": 0}
+                      "late_forwarded": 0, "tasks": 0, "refused_members": 0,
+                      "failed_messages": 0}
+        self.security: dict[str, Any] = {}
+        self.privacy: dict[str, Any] = {}
         self._running = False
         self._too_large_noted = False
 
@@ -130,11 +136,17 @@ class Relay:
                 except queue.Empty:
                     tag, msg = None, None
                 if msg is not None:
-                    if tag == "up":
-                        if self.from_server(msg):
-                            return 0
-                    else:
-                        self.from_site(msg)
+                    try:
+                        if tag == "up":
+                            if self.from_server(msg):
+                                return 0
+                        else:
+                            self.from_site(msg)
+                    except Exception as err:  # one message must not take the site down
+                        self.stats["failed_messages"] += 1
+                        log.error("message handling failed", kind=msg.kind, src=msg.src,
+                                  side=tag, error=f"{type(err).__name__}: {err}",
+                                  exc_info=True)
                 self.close_expired(time.monotonic())
         except KeyboardInterrupt:
             return 130
@@ -197,6 +209,7 @@ class Relay:
         self.round_wait_s = fed.deadline_s if fed.deadline_s > 0 else fed.hard_deadline_s
         server_cls = get_algorithm(cfg.algorithm.name).server
         self.params = resolved_params(server_cls, dict(cfg.algorithm))
+        self.security, self.privacy = dict(cfg.security), dict(cfg.privacy)
         # the run's rule: none under an aggregation that is no sum (algorithm.robust)
         rule = server_cls.merge_rule(self.params) \
             if self.merge_enabled and fed.mode == "sync" else None
@@ -218,6 +231,7 @@ class Relay:
                 for r in [r for r in self.groups if r < msg.round - 1]:
                     del self.groups[r]  # rounds long gone
             g.tasks[address] = int(body["task"])
+            g.bounds[address] = body.get("bound")
             self.group_of[address] = msg.round
         # the body as it came: re-encoding a task (the global weights) costs 80x a copy
         self.down.send("task", address, body, round=msg.round, encoded=msg.frames[1])
@@ -285,10 +299,14 @@ class Relay:
         self.group_of.pop(address, None)
         form = None
         try:
-            work = Work.from_dict(body["work"])
-            # one client's NaN must not sink its site's merged update: sent alone, only
-            # that client's update is rejected by the server
-            if body.get("version") == g.version and not non_finite(body["payload"]):
+            # one client's bad update must not sink its site's merged update: sent alone,
+            # only that client's update is refused by the server
+            problem = self.member_problem(body, g.bounds.get(address))
+            if problem is not None:
+                self.stats["refused_members"] += 1
+                log.warning("update not merged: refused", client=address, reason=problem)
+            elif body.get("version") == g.version:
+                work = Work.from_dict(body["work"])
                 form = self.rule.lift(body["payload"], int(body["num_samples"]), work,
                                       self.params, client_index(address))
         except (KeyError, TypeError, ValueError) as err:
@@ -322,6 +340,31 @@ class Relay:
                                   work.to_dict()])
         if g.complete():
             self.flush(g)
+
+    def member_problem(self, body: dict[str, Any], bound: Any) -> str | None:
+        """Why a member's update must not be merged (the server's own checks, with the
+        bounds its task carried: fedbus.node.validate), or None."""
+        if not isinstance(bound, dict) or not isinstance(body.get("payload"), dict):
+            return "no bound from the server for this task, or no payload"
+        classes = bound.get("classes")
+        counts = body["payload"].get("counts")
+        num_classes = len(classes) if isinstance(classes, list) else \
+            (len(counts) if isinstance(counts, np.ndarray) and counts.ndim == 1 else 1 << 30)
+        protos = body["payload"].get("protos")
+        dim = protos.shape[-1] if isinstance(protos, np.ndarray) and protos.ndim else 0
+        sec, priv = self.security, self.privacy
+        norms = Norms(proto=proto_bound(float(sec.get("max_proto_norm", 0.0)),
+                                        float(priv.get("clip_norm", 0.0)),
+                                        float(priv.get("noise_sigma", 0.0)), dim),
+                      update=float(sec.get("max_update_norm", 0.0)))
+        try:
+            check_update(body, None, num_classes=num_classes,
+                         max_samples=int(bound.get("samples", 0)), class_samples=classes,
+                         label_pixels=int(bound.get("units", 1)), max_bytes=self.max_frame,
+                         norms=norms)
+        except Rejected as err:
+            return str(err)
+        return None
 
     def _frame_room(self, form_bytes: int, members: int) -> int:
         """Bytes left under the frame limit for a merged update of this size (its member

@@ -24,7 +24,7 @@ import torch
 from fedbus.broker.wire import (DEFAULT_MAX_FRAME, Message, WireError, decode, decode_body,
                                 encode_body)
 from fedbus.node.config import Config, build_config
-from fedbus.node.engine import Engine, Out, client_address, count_params
+from fedbus.node.engine import Engine, Out, Refusal, client_address, count_params
 from fedbus.node.msglog import LogCorrupt, Record, read_log
 from fedbus.node.server import build_engine, dispatch
 
@@ -123,6 +123,8 @@ def replay_server(run_dir: str | Path, *, until_round: int | None = None) -> Rep
         count += 1
         if rec.direction == "out":
             m = _decode(rec, max_frame)
+            if m.kind == "error":  # (logs made before answers to refusals went unlogged)
+                continue
             if not pending:
                 return ReplayResult(count, engine.version, Divergence(
                     rec.index, m.round, "kind", f"log has an extra {m.kind} to {m.dst}"), engine)
@@ -142,12 +144,15 @@ def replay_server(run_dir: str | Path, *, until_round: int | None = None) -> Rep
         pending = []
         if rec.direction == "in":
             pending = dispatch(engine, _decode(rec, max_frame), rec.time)
+        elif rec.direction == "refused":
+            pending = take_refused(engine, rec)
         elif rec.direction == "tick":
             pending = engine.on_tick(rec.time)
         elif rec.direction == "resume":
             engine = build_engine(cfg, run_id)
             engine.load_state_dict(decode_body(rec.frames[1],
                                                max_frame=max(len(rec.frames[1]), 1)))
+        pending = [o for o in pending if o.kind != "error"]  # answers: never logged
         engine.records.clear()
         engine.events.clear()
     # A finished run's log ends with its shutdown; any other log was cut short (the
@@ -159,6 +164,17 @@ def replay_server(run_dir: str | Path, *, until_round: int | None = None) -> Rep
             len(records), pending[0].round, "kind",
             f"replay sent {pending[0].kind} to {pending[0].dst} after the log ends"), engine)
     return ReplayResult(count, engine.version, None, engine, cut=cut)
+
+
+def take_refused(engine: Engine, rec: Record) -> list[Out]:
+    """A "refused" record: a refusal the engine takes as an event, or the count of those
+    that changed only a counter (the server logs neither the refused message)."""
+    body = decode_body(rec.frames[1], max_frame=max(len(rec.frames[1]), 1))
+    if "count" in body:
+        for key, n in body["count"].items():
+            engine.totals[key] = engine.totals.get(key, 0) + int(n)
+        return []
+    return engine.on_refused(Refusal.from_dict(body), rec.time)
 
 
 # --- one client ---

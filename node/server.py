@@ -20,15 +20,15 @@ from fedbus.algorithms import get_algorithm
 from fedbus.algorithms.base import ServerContext, ServerHandler
 from fedbus.broker.log import get_logger
 from fedbus.broker.peer import Peer
-from fedbus.broker.wire import Message, decode_body, encode_body
+from fedbus.broker.wire import BROKER, Message, decode_body, encode_body
 from fedbus.models import describe_group
 from fedbus.node.config import Config
-from fedbus.node.engine import SERVER, Engine, Out, client_index, count_params
+from fedbus.node.engine import SERVER, Engine, Out, Refusal, client_index, count_params
 from fedbus.node.msglog import MessageLogWriter
 from fedbus.node.rundir import RunDir, atomic_write, summarise
 from fedbus.node.setup import (arch_builder, check_models, distinct_archs, federated_data,
                                make_model, pooled_train)
-from fedbus.node.validate import Rejected, check_merged, check_update
+from fedbus.node.validate import Rejected, check_eval_result, check_merged, check_update
 
 log = get_logger("fedbus.server")
 
@@ -51,92 +51,182 @@ def build_handler(cfg: Config) -> ServerHandler:
 
 def build_engine(cfg: Config, run_id: str) -> Engine:
     data = federated_data(cfg)
-    sizes = {i: len(data.parts[i].train) for i in range(cfg.federation.clients)}
+    n = cfg.federation.clients
+    sizes = {i: len(data.parts[i].train) for i in range(n)}
     engine = Engine(cfg, build_handler(cfg), run_id, train_sizes=sizes)
     engine.label_pixels = data.label_pixels
+    engine.test_sizes = {i: len(data.parts[i].test) for i in range(n)}
+    if data.label_pixels == 1:  # per-class bounds; segmentation counts pixels: total only
+        per_class = data.class_counts("train")
+        engine.class_samples = {i: per_class[i] for i in range(n)}
     return engine
 
 
-def dispatch(engine: Engine, msg: Message, now: float) -> list[Out]:
-    """One received message -> engine event -> messages to send."""
+def judge(engine: Engine, msg: Message) -> Refusal | None:
+    """Why the server refuses a received message, or None. Reads the engine, changes
+    nothing: the shell logs a refusal compactly (the message itself is not stored) and the
+    engine takes it as an event (Engine.on_refused), live and in a replay alike."""
+    try:
+        return _judge(engine, msg)
+    except Exception as err:  # a check that itself failed: the message is refused
+        return Refusal(msg.kind, msg.src, f"unreadable {msg.kind}: {type(err).__name__}: "
+                       f"{err}"[:300], msg.round, answer=msg.kind in ANSWERED)
+
+
+# kinds whose refusal is answered with an error (their senders wait for an outcome)
+ANSWERED = ("update", "merged", "eval_result")
+
+
+def _judge(engine: Engine, msg: Message) -> Refusal | None:
     body: Any = msg.body
-    kind = msg.kind
+    kind, src = msg.kind, msg.src
+
+    def refuse(reason: str, **kw: Any) -> Refusal:
+        return Refusal(kind, src, reason, msg.round, answer=kind in ANSWERED, **kw)
+
     if kind in ("join", "leave"):
-        if not isinstance(body, dict) or body.get("role", "client") != "client":
-            return []
-        clients = [c for c in body.get("clients", []) if isinstance(c, str)]
-        node = str(body.get("node", msg.src))
-        if kind == "join":
-            return engine.on_join(node, clients, now)
-        return engine.on_leave(node, clients, now)
+        if src != BROKER:
+            return refuse(f"{kind} comes from the broker only, not {src!r}")
+        if not isinstance(body, dict) or not isinstance(body.get("node"), str) or \
+                not isinstance(body.get("clients", []), list):
+            return refuse(f"{kind} body must be {{node: str, clients: list}}")
+        return None
     if kind == "update":
-        reason = engine.is_expected_update(msg.src, body if isinstance(body, dict) else {},
-                                           run=msg.run, round=msg.round)
-        answers_task = reason is None
-        if answers_task:
-            try:
-                check_update(body, engine.handler.update_spec(),
-                             num_classes=engine.handler.ctx.num_classes,
-                             max_samples=engine.max_samples(client_index(msg.src)),
-                             max_bytes=int(engine.cfg.bus.max_frame_mb) << 20,
-                             nbytes=msg.nbytes, label_pixels=engine.label_pixels)
-            except Rejected as err:
-                reason = str(err)
+        if not isinstance(body, dict):
+            return refuse(f"update body must be a map, got {type(body).__name__}")
+        reason = engine.is_expected_update(src, body, run=msg.run, round=msg.round)
         if reason is not None:
-            engine.totals["rejected"] += 1
-            engine.events.append({"event": "rejected", "src": msg.src, "reason": reason})
-            task = body.get("task") if isinstance(body, dict) else None
-            outs = [Out("error", msg.src, msg.round,
-                        {"code": "rejected", "reason": reason,
-                         "task": task if isinstance(task, int) else None})]
-            if answers_task:  # the client's answer to a live task: that task is over
-                outs += engine.on_task_failed(msg.src, task, now, reason="rejected")
-            return outs
-        return engine.on_update(msg.src, body, msg.nbytes, now)
+            return refuse(reason)
+        client = client_index(src)
+        try:
+            check_update(body, engine.handler.update_spec(),
+                         num_classes=engine.handler.ctx.num_classes,
+                         max_samples=engine.max_samples(client),
+                         class_samples=engine.class_max(client),
+                         max_bytes=int(engine.cfg.bus.max_frame_mb) << 20,
+                         nbytes=msg.nbytes, label_pixels=engine.label_pixels,
+                         norms=engine.norms)
+        except Rejected as err:  # the client's answer to a live task: that task is over
+            return refuse(str(err), task=body["task"])
+        return None
     if kind == "merged":
-        return _dispatch_merged(engine, msg, body, now)
-    if kind == "config" and isinstance(body, dict):
-        return engine.on_configured(str(body.get("node", "")), str(body.get("run", "")), now)
-    if kind == "error" and isinstance(body, dict) and body.get("code") == "handler_failed":
-        return engine.on_task_failed(msg.src, body.get("task"), now)
+        return _judge_merged(engine, msg, refuse)
+    if kind == "config":
+        if not isinstance(body, dict) or not isinstance(body.get("run"), str):
+            return refuse("config acknowledgement must be {run: str}")
+        return None
+    if kind == "error":
+        if not isinstance(body, dict):
+            return refuse("error body must be a map")
+        return None
     if kind == "eval_result":
-        if isinstance(body, dict) and isinstance(body.get("metrics"), dict):
-            try:
-                return engine.on_eval_result(msg.src, body, now)
-            except ValueError:
-                return []
-        return []
-    return []
+        if not isinstance(body, dict):
+            return refuse(f"eval result must be a map, got {type(body).__name__}")
+        try:
+            client = client_index(src)
+        except ValueError:
+            return refuse(f"sender {src!r} is not a client")
+        eid = body.get("eval")
+        ev = engine.evals.get(eid) if isinstance(eid, int) and not isinstance(eid, bool) \
+            else None
+        if ev is None or client not in ev.expected or client in ev.results:
+            # (a late result of an honest client, too: nothing to answer)
+            return Refusal(kind, src, f"evaluation {eid!r} does not wait for {src}",
+                           msg.round, answer=False)
+        try:
+            check_eval_result(body, test_size=engine.test_size(client),
+                              units=engine.label_pixels)
+        except Rejected as err:  # this client's part of the evaluation is over
+            return refuse(str(err), eval=eid)
+        return None
+    return refuse(f"the server takes no {kind!r} messages")
 
 
-def _dispatch_merged(engine: Engine, msg: Message, body: Any, now: float) -> list[Out]:
-    """A relay's pre-aggregated update: checked whole, then one engine event. A refused one
-    is answered with an error and ends its members' tasks, so the round need not wait."""
+def _judge_merged(engine: Engine, msg: Message, refuse) -> Refusal | None:
+    """A relay's pre-aggregated update: checked whole. A refused one ends the tasks of its
+    members the sender hosts, so the round need not wait."""
+    body: Any = msg.body
     rule = engine.handler.merge_rule()
-    reason = None
     try:
         if rule is None:
             raise Rejected(f"{type(engine.handler).__name__} declares no merge rule")
         check_merged(body, rule.spec(engine.handler), max_samples=engine.max_samples,
                      max_bytes=int(engine.cfg.bus.max_frame_mb) << 20, nbytes=msg.nbytes,
-                     units=engine.label_pixels)
+                     units=engine.label_pixels, num_classes=engine.handler.ctx.num_classes,
+                     class_samples=engine.class_max, norms=engine.norms)
         reason = rule.check(body["payload"], body["members"]) or \
             engine.is_expected_merged(msg.src, body, run=msg.run, round=msg.round)
     except (Rejected, ValueError) as err:
         reason = str(err)
     if reason is None:
-        return engine.on_merged(msg.src, body, msg.nbytes, now)
-    engine.totals["rejected"] += 1
-    engine.events.append({"event": "rejected", "src": msg.src, "reason": reason})
-    outs = [Out("error", msg.src, msg.round, {"code": "rejected", "reason": reason})]
+        return None
     hosted = set(engine.nodes.get(msg.src, ()))
     members = body.get("members") if isinstance(body, dict) else None
+    tasks = []
     for m in members if isinstance(members, list) else ():
         # only the tasks of clients the sender hosts: a relay cannot end another's tasks
-        if isinstance(m, list) and len(m) == 4 and isinstance(m[0], str) and \
-                m[0][1:].isdigit() and int(m[0][1:]) in hosted:
-            outs += engine.on_task_failed(m[0], m[1], now, reason="rejected")
-    return outs
+        if isinstance(m, list) and len(m) == 4 and isinstance(m[1], int):
+            try:
+                client = client_index(m[0])
+            except ValueError:
+                continue
+            if client in hosted and [m[0], m[1]] not in tasks and len(tasks) < len(hosted):
+                tasks.append([m[0], m[1]])
+    return refuse(reason, tasks=tasks)
+
+
+def apply(engine: Engine, msg: Message, now: float) -> list[Out]:
+    """An accepted message -> engine event -> messages to send."""
+    body: Any = msg.body
+    kind = msg.kind
+    if kind in ("join", "leave"):
+        if body.get("role", "client") != "client":
+            return []
+        clients = [c for c in body.get("clients", []) if isinstance(c, str)]
+        if kind == "join":
+            return engine.on_join(body["node"], clients, now)
+        return engine.on_leave(body["node"], clients, now)
+    if kind == "update":
+        return engine.on_update(msg.src, body, msg.nbytes, now)
+    if kind == "merged":
+        return engine.on_merged(msg.src, body, msg.nbytes, now)
+    if kind == "config":
+        # credited to the sender the broker authenticated, never to what the body says: the
+        # node itself, or the node hosting the client address it sent from
+        node = msg.src if msg.src in engine.nodes else None
+        if node is None and msg.src.startswith("c"):
+            try:
+                node = engine.host.get(client_index(msg.src))
+            except ValueError:
+                node = None
+        return [] if node is None else engine.on_configured(node, body["run"], now)
+    if kind == "error" and body.get("code") == "handler_failed":
+        return engine.on_task_failed(msg.src, body.get("task"), now)
+    if kind == "eval_result":
+        return engine.on_eval_result(msg.src, body, now)
+    return []
+
+
+def dispatch(engine: Engine, msg: Message, now: float) -> list[Out]:
+    """One received message -> engine event -> messages to send: judged, then applied (the
+    live server and `fedbus replay` take this one path). A handler that raises on an
+    accepted message is logged with the sender; the message counts as refused."""
+    refusal = judge(engine, msg)
+    if refusal is not None:
+        return engine.on_refused(refusal, now)
+    return take(engine, msg, now)
+
+
+def take(engine: Engine, msg: Message, now: float) -> list[Out]:
+    """apply(), where a handler that raises costs the message, not the server."""
+    try:
+        return apply(engine, msg, now)
+    except Exception as err:
+        log.error("message handling failed", kind=msg.kind, src=msg.src,
+                  error=f"{type(err).__name__}: {err}", exc_info=True)
+        return engine.on_refused(Refusal(msg.kind, msg.src, f"handling failed: "
+                                         f"{type(err).__name__}", msg.round,
+                                         answer=msg.kind in ANSWERED), now)
 
 
 class ServerNode:
@@ -159,6 +249,10 @@ class ServerNode:
         self.started = time.time()
         self.msglog: MessageLogWriter | None = None
         self._status_at = 0.0
+        # refusals that changed nothing but a counter, not logged one by one (a flood of
+        # them must not fill the disk): their counts go into the log as one record
+        self._quiet_refusals: dict[str, int] = {}
+        self._rejections = RejectionLog()
 
     def _run_id(self, given: str | None) -> str:
         path = self.run.path / "run_id"
@@ -221,12 +315,15 @@ class ServerNode:
                 version = engine.version
                 if msg is not None:
                     ticked = None
-                    if self.msglog is not None:
-                        self.msglog.write("in", now, msg.frames, _header(msg))
-                    outs = dispatch(engine, msg, now)
+                    refusal = judge(engine, msg)
+                    if refusal is None:
+                        self._log("in", now, msg.frames, _header(msg))
+                        outs = take(engine, msg, now)
+                    else:
+                        self._log_refusal(refusal, now)
+                        outs = engine.on_refused(refusal, now)
                 elif deadline is not None and now >= deadline:
-                    if self.msglog is not None:
-                        self.msglog.write("tick", now, [])
+                    self._log("tick", now, [])
                     outs = engine.on_tick(now)
                     ticked = None if outs else deadline
                 else:
@@ -251,19 +348,49 @@ class ServerNode:
         for row in rows:
             log.info("model", **row)
 
+    def _log(self, direction: str, now: float, frames: list, header: dict | None = None) -> None:
+        if self.msglog is None:
+            return
+        if self._quiet_refusals:
+            counts, self._quiet_refusals = self._quiet_refusals, {}
+            self.msglog.write("refused", now, [b"", encode_body({"count": counts})],
+                              {"kind": "refused"})
+        self.msglog.write(direction, now, frames, header)
+
+    def _log_quiet(self, now: float) -> None:
+        if self._quiet_refusals and self.msglog is not None:
+            counts, self._quiet_refusals = self._quiet_refusals, {}
+            self.msglog.write("refused", now, [b"", encode_body({"count": counts})],
+                              {"kind": "refused"})
+
+    def _log_refusal(self, refusal: Refusal, now: float) -> None:
+        """A refusal that ends a task or an evaluation's wait is an engine event the replay
+        must take: one small record (not the refused bytes); any other only counts."""
+        if refusal.changes_state():
+            self._log("refused", now, [b"", encode_body(refusal.to_dict())],
+                      {"kind": refusal.kind, "src": refusal.src, "round": refusal.round})
+        else:
+            key = "rejected" if refusal.kind in ("update", "merged") else "refused"
+            self._quiet_refusals[key] = self._quiet_refusals.get(key, 0) + 1
+
     def _send(self, peer: Peer, outs: list[Out]) -> None:
         for out in outs:
             msg = peer.send(out.kind, out.dst, out.body, round=out.round)
-            if self.msglog is not None:
-                self.msglog.write("out", time.time(), msg.frames, _header(msg))
+            if out.kind != "error":  # answers to refusals: a replay makes them, unlogged
+                self._log("out", time.time(), msg.frames, _header(msg))
             if out.kind in ("task", "eval"):
                 self.engine.note_sent(out, msg.nbytes, count_params(out.body.get("payload")))
 
     def _record(self, version_before: int) -> None:
         engine = self.engine
         for ev in engine.events:
-            log.info(ev.pop("event"), **ev)
+            name = ev.pop("event")
+            if name == "rejected":
+                self._rejections.note(ev, time.time())
+            else:
+                log.info(name, **ev)
         engine.events.clear()
+        self._rejections.summarise(time.time())
         drained = bool(engine.records)
         if drained:
             for rec in engine.records:
@@ -278,6 +405,7 @@ class ServerNode:
         if drained or (engine.async_mode and engine.version != version_before):
             self._checkpoint()
             if self.msglog is not None:
+                self._log_quiet(time.time())
                 self.msglog.flush()
         now = time.time()
         if now - self._status_at > 0.25 or engine.done:
@@ -313,11 +441,46 @@ class ServerNode:
             atomic_write(self.run.path / "masks.fbk",
                          encode_body({"clients": {str(k): v for k, v in masks.items()}}))
         self.run.write_status(self._status(time.time()))
+        self._rejections.summarise(time.time(), force=True)
         if self.msglog is not None:
+            self._log_quiet(time.time())
             self.msglog.close()
         self.run.close()
         log.info("server finished", rounds=summary["rounds_completed"], wall_s=summary["wall_s"],
                  final=summary["final"])
+
+
+class RejectionLog:
+    """Refusals in the server's log, bounded: the first PER_SENDER of each sender in a
+    WINDOW_S window are logged one by one (with the reason), the rest counted and logged
+    as one summary line per window. Every refusal is counted in summary.json all the same."""
+
+    PER_SENDER = 5
+    WINDOW_S = 10.0
+    MAX_SENDERS = 10_000
+
+    def __init__(self) -> None:
+        self.window = 0.0
+        self.seen: dict[str, int] = {}
+        self.suppressed = 0
+
+    def note(self, ev: dict[str, Any], now: float) -> None:
+        self.summarise(now)
+        src = str(ev.get("src"))
+        n = self.seen.get(src, 0)
+        if n < self.PER_SENDER and len(self.seen) < self.MAX_SENDERS:
+            self.seen[src] = n + 1
+            log.warning("rejected", **ev)
+        else:
+            self.suppressed += 1
+
+    def summarise(self, now: float, force: bool = False) -> None:
+        if now - self.window < self.WINDOW_S and not force:
+            return
+        if self.suppressed:
+            log.warning("rejections not logged one by one", count=self.suppressed,
+                        senders=len(self.seen), window_s=self.WINDOW_S)
+        self.window, self.seen, self.suppressed = now, {}, 0
 
 
 def global_prototypes(state: dict[str, Any]) -> dict[str, Any]:

@@ -1,21 +1,96 @@
 """Checks an update must pass before any handler sees it.
 
 The engine checks that it answers an outstanding task of this run (sender,
-task id, version); this module checks its shape: the fields the engine needs,
-the arrays the algorithm declared (dtype and shape), no NaN or Inf anywhere,
-non-negative plausible counts and class ids in range. A failing update is
-rejected with the reason, counted, and never aggregated.
+task id, version); this module checks its content against bounds the server
+computes itself, never ones the update claims:
+
+* shape: the fields the engine needs, the arrays the algorithm declared (dtype
+  and shape), nesting no deeper than MAX_DEPTH (walked without recursion);
+* no NaN or Inf anywhere;
+* counts: non-negative integers, each class's count at most the client's own
+  samples of that class (from the partition the server built), their sum at most
+  the client's samples; compared element by element before any sum, so no int64
+  sum can wrap. The work report the client makes (epochs asked, ...) never widens
+  a bound;
+* norms (`Norms`): each prototype row (PROTOTYPE_KEYS, last axis) at most
+  `proto`, and the L2 norm of all other float arrays together (a weight delta, a
+  head, logits) at most `update`: what a clipped client can send, refused above;
+* class ids in range.
+
+Relays (fedbus.node.relay) run the same checks on each member before merging it,
+so one bad member goes up alone and is refused there, and `check_merged` bounds a
+merged update by its members' bounds (mass per class, sums' norms).
+
+Evaluation results get a typed schema too (`check_eval_result`): metrics are
+numbers in range (rates in [0, 1], NaN allowed where a client has no test
+samples), num_test within the client's test set, embeddings and masks arrays.
+
+A failing message is refused with the reason, counted, and never aggregated.
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+
+# Real bodies nest a few levels (a merged update's members: body/members/[i]/work); a
+# fixed, small limit keeps every walk here iterative and far from Python's recursion limit.
+MAX_DEPTH = 32
+PROTOTYPE_KEYS = ("protos", "protos_before")
+# Rates a client reports from its test set; the rest of METRIC_KEYS are losses.
+RATE_METRICS = ("acc", "proto_acc", "aux_acc", "local_head_acc", "global_head_acc", "miou",
+                "proto_miou")
+MAX_METRICS = 64  # keys in one evaluation's metrics
+MAX_LOSS = 1e9
+MAX_WORK = float(1 << 53)  # a work report's numbers stay exact as floats
 
 
 class Rejected(ValueError):
     """Why an update was refused (the message goes back to the client)."""
+
+
+@dataclass(frozen=True)
+class Norms:
+    """Server-side norm bounds (SECURITY.md): `proto` for each prototype row, `update` for
+    the L2 norm of all other float arrays of one update together. 0 = unbounded."""
+
+    proto: float = 0.0
+    update: float = 0.0
+
+
+@dataclass(frozen=True)
+class ClientBounds:
+    """What one client's update can honestly claim, from the server's own partition:
+    `samples` its training-set size, `classes` its samples per class (None: unknown, the
+    total bounds each class), `units` labelled units a sample (H * W for segmentation)."""
+
+    samples: int
+    classes: np.ndarray | None = None
+    units: int = 1
+
+    def class_max(self, num_classes: int) -> np.ndarray:
+        """int64 [C]: the most a count of each class can be."""
+        if self.classes is not None and self.units == 1 and len(self.classes) == num_classes:
+            return np.asarray(self.classes, dtype=np.int64)
+        return np.full(num_classes, int(self.samples) * max(1, int(self.units)), np.int64)
+
+
+DEFAULT_PROTO_NORM = 1e4  # features of the zoo's networks are 1-100 long
+
+
+def proto_bound(max_proto_norm: float, clip_norm: float, noise_sigma: float, dim: int) -> float:
+    """The longest prototype an honest client sends: max_proto_norm when set; else what
+    clipping to clip_norm allows, the clip plus its Gaussian noise's length sigma (sqrt(D) +
+    8) (a chi-distributed length exceeds sqrt(D) + t with probability below exp(-t^2 / 2);
+    t = 8: 1e-14); without clipping DEFAULT_PROTO_NORM."""
+    if max_proto_norm > 0:
+        return float(max_proto_norm)
+    if clip_norm > 0:
+        return float(clip_norm) + float(noise_sigma) * (math.sqrt(max(int(dim), 0)) + 8.0)
+    return DEFAULT_PROTO_NORM
 
 
 def _check_number(name: str, value: Any, *, low: float = 0, high: float | None = None) -> None:
@@ -26,15 +101,19 @@ def _check_number(name: str, value: Any, *, low: float = 0, high: float | None =
 
 
 def _walk(value: Any, path: str = "payload"):
-    """(path, value) for every array and float in a payload."""
-    if isinstance(value, (np.ndarray, float)):
-        yield path, value
-    elif isinstance(value, (dict, Mapping)):  # a dict is decided without the ABC check
-        for k, v in value.items():
-            yield from _walk(v, f"{path}.{k}")
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            yield from _walk(v, f"{path}[{i}]")
+    """(path, value) for every array and float in a payload, depth first, iteratively;
+    Rejected past MAX_DEPTH levels."""
+    stack = [(value, path, 0)]
+    while stack:
+        v, p, depth = stack.pop()
+        if isinstance(v, (np.ndarray, float)):
+            yield p, v
+        elif isinstance(v, (dict, Mapping, list, tuple)):
+            if depth >= MAX_DEPTH:
+                raise Rejected(f"{p} is nested deeper than {MAX_DEPTH} levels")
+            items = v.items() if isinstance(v, (dict, Mapping)) else enumerate(v)
+            fmt = "{}.{}" if isinstance(v, (dict, Mapping)) else "{}[{}]"
+            stack.extend((x, fmt.format(p, k), depth + 1) for k, x in reversed(list(items)))
 
 
 def _finite(value: np.ndarray | float) -> bool:
@@ -74,15 +153,15 @@ def _check_work(work: Any, name: str = "work") -> None:
     for key in ("epochs_asked", "epochs_done", "steps", "samples"):
         if key not in work:
             raise Rejected(f"{name} lacks {key!r}")
-        _check_number(f"{name}.{key}", work[key])
+        _check_number(f"{name}.{key}", work[key], high=MAX_WORK)
 
 
-def _check_arrays(payload: Any, spec: Mapping[str, Any], max_bytes: int | None) -> None:
+def _check_arrays(payload: Any, spec: Mapping[str, Any] | None, max_bytes: int | None) -> None:
     """The declared arrays are there with their dtype and shape; nothing is NaN or Inf;
     the arrays fit under max_bytes."""
     if not isinstance(payload, (dict, Mapping)):
         raise Rejected("payload must be a map")
-    for path, dtype, shape in _flatten_spec(spec):
+    for path, dtype, shape in _flatten_spec(spec or {}):
         name = "/".join(path)
         arr = _lookup(payload, path)
         if not isinstance(arr, np.ndarray):
@@ -103,13 +182,128 @@ def _check_arrays(payload: Any, spec: Mapping[str, Any], max_bytes: int | None) 
         raise Rejected(f"payload arrays of {total} bytes exceed the {max_bytes}-byte cap")
 
 
-def check_merged(body: Any, spec: Mapping[str, Any], *, max_samples: Callable[[int], int],
-                 max_bytes: int | None = None, nbytes: int = 0, units: int = 1) -> None:
+def _row_norms(a: np.ndarray) -> np.ndarray:
+    """L2 norms along the last axis, in float64 (a float32 square of 1e20 is inf)."""
+    a = np.asarray(a, dtype=np.float64)
+    return np.sqrt(np.einsum("...i,...i->...", a, a)) if a.ndim else np.abs(a)
+
+
+def _sq_norm(a: np.ndarray) -> float:
+    a = np.asarray(a, dtype=np.float64).ravel()
+    return float(a @ a)
+
+
+def check_norms(payload: Mapping[str, Any], norms: Norms | None) -> None:
+    """Prototype rows within norms.proto; every other float array of the payload, together,
+    within norms.update (tolerance 1e-4 relative: a float32 clip lands a hair above)."""
+    if norms is None:
+        return
+    rest = 0.0
+    for path, value in _walk(payload):
+        if not isinstance(value, np.ndarray) or value.dtype.kind != "f" or not value.size:
+            continue
+        key = path.split(".")[1] if path.count(".") == 1 else None
+        if key in PROTOTYPE_KEYS and value.ndim >= 1:
+            if norms.proto > 0:
+                worst = float(_row_norms(value).max())
+                if worst > norms.proto * (1 + 1e-4):
+                    raise Rejected(f"{path} has a prototype of L2 norm {worst:.4g}, above the "
+                                   f"server's bound {norms.proto:.4g}")
+        else:
+            rest += _sq_norm(value)
+    if norms.update > 0 and math.sqrt(rest) > norms.update * (1 + 1e-4):
+        raise Rejected(f"the update's arrays have L2 norm {math.sqrt(rest):.4g}, above the "
+                       f"server's bound {norms.update:.4g}")
+
+
+def check_counts(counts: Any, bounds: ClientBounds, num_classes: int,
+                 name: str = "counts") -> None:
+    """Per-class counts within the client's own class sizes and, summed, its samples;
+    compared element by element before summing, so nothing can wrap."""
+    if not isinstance(counts, np.ndarray) or not counts.size:
+        return
+    if counts.dtype.kind not in "iu":
+        raise Rejected(f"{name} must be integers, got {counts.dtype}")
+    if counts.ndim != 1:
+        raise Rejected(f"{name} must be one count per class")
+    if int(counts.min()) < 0:
+        raise Rejected(f"{name} must be non-negative")
+    units = max(1, int(bounds.units))
+    limit = bounds.class_max(num_classes)
+    if counts.shape[0] == num_classes:
+        over = np.flatnonzero(counts.astype(np.uint64, copy=False) > limit.astype(np.uint64))
+        if over.size:
+            k = int(over[0])
+            raise Rejected(f"{name}[{k}] = {int(counts[k])} is more than the client's "
+                           f"{int(limit[k])} samples of class {k}")
+    total_max = int(bounds.samples) * units
+    if int(counts.max()) > total_max:  # each term fits before the exact sum below
+        raise Rejected(f"{name} holds {int(counts.max())}, more than the client's "
+                       f"{total_max} samples")
+    total = sum(int(x) for x in counts.tolist())
+    if total > total_max:
+        raise Rejected(f"{name} sum to {total}, more than the client's {int(bounds.samples)} "
+                       "samples" + (f" x {units} label pixels" if units > 1 else ""))
+
+
+def canonical_client(address: Any) -> int:
+    """The client index of "c<int>" written as the engine writes it ("c3", not "c03")."""
+    if not isinstance(address, str) or not address.startswith("c") or \
+            not address[1:].isdigit() or address != f"c{int(address[1:])}":
+        raise Rejected(f"{address!r} is not a client address")
+    return int(address[1:])
+
+
+def check_update(body: Any, spec: Mapping[str, Any] | None, *,
+                 num_classes: int, max_samples: int, max_bytes: int | None = None,
+                 nbytes: int = 0, label_pixels: int = 1, class_samples: Any = None,
+                 norms: Norms | None = None) -> None:
+    """Raise Rejected with the reason if an update body is not acceptable.
+
+    max_bytes: the size cap (the bus's max_frame): the message (nbytes, header + body) and
+    the arrays of its payload must both stay under it.
+    max_samples / class_samples: the client's training samples, in all and per class (from
+    the server's partition; None: the total bounds each class).
+    label_pixels: labelled units per sample, 1 for classification; H * W for segmentation
+    masks, whose per-class counts count pixels (at feature resolution, at most H * W a
+    sample): counts may then sum to max_samples * label_pixels.
+    norms: the server's norm bounds (check_norms); None checks none.
+    spec: the declared arrays; None checks none (a relay, which builds no model).
+    """
+    if max_bytes is not None and nbytes > max_bytes:
+        raise Rejected(f"update of {nbytes} bytes exceeds the {max_bytes}-byte cap")
+    if not isinstance(body, (dict, Mapping)):
+        raise Rejected(f"update body must be a map, got {type(body).__name__}")
+    for key in ("task", "version", "num_samples", "work", "payload"):
+        if key not in body:
+            raise Rejected(f"update lacks {key!r}")
+    _check_number("num_samples", body["num_samples"], high=max_samples)
+    _check_work(body["work"])
+    payload = body["payload"]
+    _check_arrays(payload, spec, max_bytes)
+    bounds = ClientBounds(int(max_samples), None if class_samples is None else
+                          np.asarray(class_samples), int(label_pixels))
+    check_counts(payload.get("counts"), bounds, num_classes)
+    classes = payload.get("classes")
+    if isinstance(classes, np.ndarray) and classes.size:
+        if classes.dtype.kind not in "iu" or classes.min() < 0 or classes.max() >= num_classes:
+            raise Rejected(f"class ids must lie in [0, {num_classes})")
+    check_norms(payload, norms)
+
+
+def check_merged(body: Any, spec: Mapping[str, Any], *,
+                 max_samples: Callable[[int], int], max_bytes: int | None = None,
+                 nbytes: int = 0, units: int = 1, num_classes: int | None = None,
+                 class_samples: Callable[[int], Any] | None = None,
+                 norms: Norms | None = None) -> None:
     """Raise Rejected if a relay's pre-aggregated update (kind "merged", PROTOCOL.md §4) is
     not acceptable: its members ([client address, task, num_samples, work], each client
-    once, its samples at most max_samples(client)), and its payload, the handler's sum
-    form (`spec`: MergeRule.spec), finite, with a non-negative "mass" no larger than the
-    members' samples allow (units: label pixels a sample, as for check_update). Which tasks the members answer is the engine's check."""
+    once, in the engine's spelling, its samples at most max_samples(client)), and its
+    payload, the handler's sum form (`spec`: MergeRule.spec), finite, whose "mass" is
+    non-negative and, class by class, no more than its members' own samples of that class
+    allow (class_samples(client), else their totals; units: label pixels a sample), and
+    whose sums are no longer than mass x the norm bound. Which tasks the members answer is
+    the engine's check."""
     if max_bytes is not None and nbytes > max_bytes:
         raise Rejected(f"merged update of {nbytes} bytes exceeds the {max_bytes}-byte cap")
     if not isinstance(body, (dict, Mapping)):
@@ -120,66 +314,139 @@ def check_merged(body: Any, spec: Mapping[str, Any], *, max_samples: Callable[[i
     members = body["members"]
     if not isinstance(members, list) or not members:
         raise Rejected("members must be a non-empty list")
-    seen = set()
-    samples = 0.0
+    seen: set[int] = set()
+    samples = 0
+    clients = []
     for i, m in enumerate(members):
         if not isinstance(m, list) or len(m) != 4 or not isinstance(m[0], str):
             raise Rejected(f"members[{i}] must be [client, task, num_samples, work]")
         address, task, n, work = m
-        if address in seen:
+        client = canonical_client(address)
+        if client in seen:
             raise Rejected(f"client {address!r} is listed twice")
-        seen.add(address)
+        seen.add(client)
         if isinstance(task, bool) or not isinstance(task, int):
             raise Rejected(f"members[{i}] task must be an int")
         try:
-            bound = max_samples(int(address[1:])) if address[1:].isdigit() else 0
+            bound = max_samples(client)
         except (KeyError, ValueError):
             bound = 0
         _check_number(f"members[{i}] num_samples", n, high=bound)
         _check_work(work, f"members[{i}] work")
-        samples += float(n)
-    _check_arrays(body["payload"], spec, max_bytes)
-    mass = body["payload"].get("mass")
-    if isinstance(mass, np.ndarray) and mass.size and (
-            mass.min() < 0 or mass.sum() > samples * max(1, units) * max(1, mass.size) * (1 + 1e-9)):
-        raise Rejected("mass is negative or more than the members' samples")
-
-
-def check_update(body: Any, spec: Mapping[str, Any], *,
-                 num_classes: int, max_samples: int, max_bytes: int | None = None,
-                 nbytes: int = 0, label_pixels: int = 1) -> None:
-    """Raise Rejected with the reason if an update body is not acceptable.
-
-    max_bytes: the size cap (the bus's max_frame): the message (nbytes, header + body) and
-    the arrays of its payload must both stay under it.
-    label_pixels: labelled units per sample, 1 for classification; H * W for segmentation
-    masks, whose per-class counts count pixels (at feature resolution, at most H * W a
-    sample): counts may then sum to max_samples * label_pixels per epoch asked.
-    """
-    if max_bytes is not None and nbytes > max_bytes:
-        raise Rejected(f"update of {nbytes} bytes exceeds the {max_bytes}-byte cap")
-    if not isinstance(body, (dict, Mapping)):
-        raise Rejected(f"update body must be a map, got {type(body).__name__}")
-    for key in ("task", "version", "num_samples", "work", "payload"):
-        if key not in body:
-            raise Rejected(f"update lacks {key!r}")
-    _check_number("num_samples", body["num_samples"], high=max_samples)
-    work = body["work"]
-    _check_work(work)
+        samples += int(n)
+        clients.append(client)
     payload = body["payload"]
     _check_arrays(payload, spec, max_bytes)
-    counts = payload.get("counts")
-    if isinstance(counts, np.ndarray) and counts.size:
-        if counts.dtype.kind not in "iu":
-            raise Rejected(f"counts must be integers, got {counts.dtype}")
-        if counts.min() < 0:
-            raise Rejected("counts must be non-negative")
-        units = max(1, int(label_pixels))
-        if counts.sum() > max_samples * units * max(1, int(work["epochs_asked"]) or 1):
-            raise Rejected(f"counts sum to {int(counts.sum())}, more than the client's "
-                           f"{max_samples} samples" + (f" x {units} label pixels"
-                                                       if units > 1 else ""))
-    classes = payload.get("classes")
-    if isinstance(classes, np.ndarray) and classes.size:
-        if classes.dtype.kind not in "iu" or classes.min() < 0 or classes.max() >= num_classes:
-            raise Rejected(f"class ids must lie in [0, {num_classes})")
+    mass = payload.get("mass")
+    if not isinstance(mass, np.ndarray) or not mass.size:
+        return
+    if float(mass.min()) < 0:
+        raise Rejected("mass is negative")
+    u = max(1, int(units))
+    if num_classes is not None and mass.shape == (num_classes,):
+        # prototype sums: per class, at most the members' samples of that class (weighted)
+        # or the number of members holding it (unweighted; each holds >= 1 sample of it)
+        limit = np.zeros(num_classes, np.float64)
+        for c in clients:
+            cs = None if class_samples is None else class_samples(c)
+            b = ClientBounds(max_samples(c), None if cs is None else np.asarray(cs), u)
+            limit += b.class_max(num_classes)
+    else:
+        limit = np.full(mass.shape, float(max(samples, len(clients)) * u), np.float64)
+    over = np.flatnonzero(np.asarray(mass, np.float64) > limit * (1 + 1e-9))
+    if over.size:
+        k = int(over[0])
+        raise Rejected(f"mass[{k}] = {float(mass.flat[k]):.6g} is more than the members' "
+                       f"samples allow ({float(limit.flat[k]):.6g})")
+    _check_merged_norms(payload, np.asarray(mass, np.float64), norms)
+    pool = payload.get("pool")
+    if isinstance(pool, Mapping) and num_classes is not None:
+        for r, (c, counts) in enumerate(zip(np.asarray(pool.get("clients", [])).tolist(),
+                                            pool.get("counts", []))):
+            cs = None if class_samples is None else class_samples(int(c))
+            check_counts(np.asarray(counts), ClientBounds(max_samples(int(c)), None if cs is None
+                                                          else np.asarray(cs), u),
+                         num_classes, name=f"pool counts[{r}]")
+        if norms is not None and norms.proto > 0 and isinstance(pool.get("protos"), np.ndarray):
+            worst = float(_row_norms(pool["protos"]).max()) if pool["protos"].size else 0.0
+            if worst > norms.proto * (1 + 1e-4):
+                raise Rejected(f"pool protos hold a prototype of L2 norm {worst:.4g}, above "
+                               f"the server's bound {norms.proto:.4g}")
+
+
+def _check_merged_norms(payload: Mapping[str, Any], mass: np.ndarray,
+                        norms: Norms | None) -> None:
+    """A sum of weights a_i times vectors of norm <= B has norm <= B sum a_i = B mass."""
+    if norms is None:
+        return
+    sums = payload.get("sums")
+    if norms.proto > 0 and isinstance(sums, np.ndarray) and sums.ndim == 2 and \
+            sums.shape[0] == mass.shape[0]:
+        over = np.flatnonzero(_row_norms(sums) > norms.proto * mass * (1 + 1e-4) + 1e-12)
+        if over.size:
+            raise Rejected(f"sums[{int(over[0])}] is longer than mass x the prototype bound")
+    if norms.update > 0 and mass.shape == (1,):
+        rest = 0.0
+        for key in ("delta_sum", "state"):
+            for _, value in _walk(payload.get(key, {}), key):
+                if isinstance(value, np.ndarray) and value.dtype.kind == "f":
+                    rest += _sq_norm(value)
+        if math.sqrt(rest) > norms.update * float(mass[0]) * (1 + 1e-4) + 1e-12:
+            raise Rejected("the merged sums are longer than mass x the update bound")
+
+
+def check_eval_result(body: Any, *, test_size: int, units: int = 1,
+                      feature_max: int = 1 << 16) -> None:
+    """Raise Rejected unless an evaluation result fits its schema: {"eval": int, "version":
+    int, "metrics": {name: number}} (rates in [0, 1] or NaN, losses in [0, MAX_LOSS] or NaN,
+    num_test an int in [0, test_size]), optional "embeddings" {"h": float [n, D], "y": int
+    [n]} with n <= test_size x units (segmentation embeds pixels: units = H * W), optional
+    "masks" a map of arrays."""
+    if not isinstance(body, (dict, Mapping)):
+        raise Rejected(f"eval result must be a map, got {type(body).__name__}")
+    for key in ("eval", "metrics"):
+        if key not in body:
+            raise Rejected(f"eval result lacks {key!r}")
+    if isinstance(body["eval"], bool) or not isinstance(body["eval"], int):
+        raise Rejected("eval must be an int")
+    metrics = body["metrics"]
+    if not isinstance(metrics, (dict, Mapping)):
+        raise Rejected("metrics must be a map")
+    if len(metrics) > MAX_METRICS:
+        raise Rejected(f"metrics has {len(metrics)} keys (max {MAX_METRICS})")
+    for key, value in metrics.items():
+        if not isinstance(key, str) or len(key) > 64:
+            raise Rejected("metric names must be strings of at most 64 characters")
+        if key == "num_test":
+            if isinstance(value, bool) or not isinstance(value, int) or \
+                    not 0 <= value <= test_size:
+                raise Rejected(f"num_test = {value!r} is not an int in [0, {test_size}]")
+            continue
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise Rejected(f"metric {key!r} must be a number, got {type(value).__name__}")
+        if math.isnan(value):
+            continue  # a client without test samples reports NaN
+        high = 1.0 if key in RATE_METRICS else MAX_LOSS
+        low = 0.0 if key in RATE_METRICS or key == "loss" else -MAX_LOSS
+        if not low <= value <= high:
+            raise Rejected(f"metric {key!r} = {value!r} is out of range [{low}, {high}]")
+    emb = body.get("embeddings")
+    if emb is not None:
+        if not isinstance(emb, (dict, Mapping)) or set(emb) != {"h", "y"}:
+            raise Rejected("embeddings must be {'h': array, 'y': array}")
+        h, y = emb["h"], emb["y"]
+        if not (isinstance(h, np.ndarray) and isinstance(y, np.ndarray) and h.ndim == 2
+                and y.ndim == 1 and len(h) == len(y) <= test_size * max(1, int(units))
+                and h.dtype.kind == "f"
+                and y.dtype.kind in "iu" and h.shape[1] <= feature_max and _finite(h)):
+            raise Rejected("embeddings must be finite h [n, D] and int y [n], n <= the test "
+                           "set's labelled units")
+    masks = body.get("masks")
+    if masks is not None:
+        if not isinstance(masks, (dict, Mapping)):
+            raise Rejected("masks must be a map")
+        for path, value in _walk(masks, "masks"):
+            if not _finite(value):
+                raise Rejected(f"{path} contains NaN or Inf")
