@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("replay_cmd", "re-run a run's server (or one client) from its message log"),
     "log": ("log_cmd", "print a run's message timeline"),
     "plot": ("plot_cmd", "plot one or more runs"),
-    "bench": ("bench_cmd", "benchmarks: startup, broker, rounds, stragglers, accuracy, reproduce"),
+    "bench": ("bench_cmd", "benchmarks: startup, broker, rounds, stragglers, accuracy, reproduce, attack"),
     "keygen": ("keygen_cmd", "write a CurveZMQ keypair"),
 }
 

@@ -66,7 +66,9 @@ def test_fedavg_proto_defaults_follow_the_paper():
     defaults = {k: default_of(v) for k, v in FedAvgProtoServer.PARAMS.items()}
     assert defaults == {"every_round": False,  # Algorithm 1: prototypes in round T only
                         "aggregate": "mean",  # eq. 3
-                        "infer_model": "global"}  # Sec. II-B: the latest model parameters
+                        "infer_model": "global",  # Sec. II-B: the latest model parameters
+                        # a defence, off by default (fedbus.algorithms.robust)
+                        "robust": "none", "robust_trim": 0.1, "robust_f": 1, "robust_m": 1}
 
 
 def test_fedavg_proto_asks_for_prototypes_in_the_last_round_only():

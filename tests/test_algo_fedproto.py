@@ -52,7 +52,9 @@ def test_fedproto_defaults_follow_the_paper():
                         "aggregate": "weighted",  # eq. 6
                         "keep_missing": True,  # = the code's set replacement at full participation
                         "infer_classes": "all",  # eq. 4
-                        "proto_source": "after"}  # eq. 3
+                        "proto_source": "after",  # eq. 3
+                        # a defence, off by default (fedbus.algorithms.robust)
+                        "robust": "none", "robust_trim": 0.1, "robust_f": 1, "robust_m": 1}
     assert default_of(PROTO_LOSS) == "mse" and default_of(INFER_CLASSES) == "all"
 
 

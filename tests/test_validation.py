@@ -66,8 +66,9 @@ def _good(engine, task_out, client: int) -> dict:
     (_, pshape), (_, cshape) = spec["protos"], spec["counts"]
     protos = np.zeros(pshape, np.float32)
     counts = np.zeros(cshape, np.int64)
-    protos[1] = 0.5
-    counts[1] = 3
+    k = int(np.argmax(engine.class_max(client)))  # a class the client holds
+    protos[k] = 0.5
+    counts[k] = 3
     return {"task": task_out.body["task"], "version": task_out.body["version"],
             "num_samples": 5, "work": {"epochs_asked": 1, "epochs_done": 1.0, "steps": 2,
                                        "samples": 5},
@@ -114,7 +115,7 @@ def _cases(engine, tasks):
     inf[0, 0] = -np.inf
     other = tasks["c1"].body["task"]
     return [
-        ("body not a map", "c0", [1, 2, 3], {}, "not outstanding"),
+        ("body not a map", "c0", [1, 2, 3], {}, "update body must be a map"),
         ("unknown task", "c0", {**good, "task": 999}, {}, "task 999 is not outstanding"),
         ("task id not an int", "c0", {**good, "task": "1"}, {}, "is not outstanding"),
         ("another client's task", "c0", {**good, "task": other}, {}, f"task {other} was sent to c1"),
@@ -149,7 +150,7 @@ def _cases(engine, tasks):
          _with(good, "payload.counts", np.array([-1] + [0] * (c - 1), np.int64)), {},
          "counts must be non-negative"),
         ("counts implausible", "c0",
-         _with(good, "payload.counts", np.full(c, 10**6, np.int64)), {}, "counts sum to"),
+         _with(good, "payload.counts", np.full(c, 10**6, np.int64)), {}, "more than the client's"),
         ("class ids out of range", "c0",
          _with(good, "payload.classes", np.array([0, c], np.int64)), {},
          f"class ids must lie in [0, {c})"),
@@ -177,7 +178,7 @@ def test_header_rules_reject_and_leave_the_task_outstanding(engine_factory):
         assert (err.kind, err.dst, err.body["code"]) == ("error", src, "rejected"), name
         assert fragment in err.body["reason"], (name, err.body["reason"])
         assert engine.totals["rejected"] == seq, name
-        assert engine.events[-1] == {"event": "rejected", "src": src,
+        assert engine.events[-1] == {"event": "rejected", "kind": "update", "src": src,
                                      "reason": err.body["reason"]}, name
     # nothing reached the handler and both tasks are still outstanding
     assert engine.version == 0 and engine.round is not None and not engine.round.updates
@@ -221,7 +222,7 @@ def test_content_rules_reject_and_end_the_task(engine_factory):
         assert err.body["task"] == task_id, name
         assert engine.totals["rejected"] == 1, name
         assert engine.events[-2:] == [
-            {"event": "rejected", "src": "c0", "reason": err.body["reason"]},
+            {"event": "rejected", "kind": "update", "src": "c0", "reason": err.body["reason"]},
             {"event": "task_failed", "client": 0, "task": task_id, "reason": "rejected"}], name
         # c0's task is over (a failure of this round), and nothing reached the handler
         assert [t.client for t in engine.tasks.values()] == [1], name

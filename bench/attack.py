@@ -1,0 +1,825 @@
+"""`fedbus bench attack`: a hostile participant against a real secure federation.
+
+The federation is set up as SECURITY.md's step by step says, on loopback: keys from
+`auth.write_keypair` (what `fedbus keygen` writes), a CurveZMQ broker, the server, an
+honest node (c0-2) and, for the relay attacks, a relay whose site broker serves an honest
+node (c4). The attacker holds one valid node key ("evil", allowed c3) and speaks raw CURVE
+on a DEALER socket; behind the relay a second attacker speaks to the site broker as c5.
+
+Each attack (ATTACKS; issue 30's holes, numbered as there) is sent at the moment it hurts
+most: while c3 has a live task (or an evaluation to answer). Then the attacker leaves and
+the run finishes with the honest clients. What is checked, per attack:
+
+* refused: the hostile messages were refused with a reason (errors back to the attacker,
+  the server's `rejected`/`refused` counters, the relay's `refused_members`, the broker's
+  refusals), as the attack's own `judge` says;
+* global state unchanged: the server's final state equals a replay of its message log
+  without the attacker's messages (its config acknowledgement and the refusals that ended
+  its tasks kept: "every answer of the attacker refused");
+* processes up: broker, server, relay and nodes ran to the end, the server exited 0;
+* peak memory: the broker's and the server's peak RSS (VmHWM) in MiB.
+
+tests/test_adversary.py runs each attack at a small scale (one test per hole); this bench
+runs them all at the issue's scale and prints the table.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedbus.bench.common import write_toml
+
+HB = ("--heartbeat-s", "0.5", "--liveness", "6")
+EVIL = "evil"
+EVIL_CLIENT = "c3"
+SITE_EVIL_CLIENT = "c5"
+
+
+def base_sections(clients: int, rounds: int = 3) -> dict[str, dict[str, Any]]:
+    """FedProto on digits: c0-2 honest, c3 the attacker (c4-5 below a relay when asked)."""
+    return {
+        "federation": {"clients": clients, "rounds": rounds, "seed": 5, "deadline_s": 3.0,
+                       "hard_deadline_s": 20.0, "min_updates": 1, "start_timeout_s": 60.0},
+        "data": {"dataset": "digits", "partition": "nway-kshot", "ways": 3, "ways_std": 1.0,
+                 "shots": 30, "shots_std": 3.0},
+        "model": {"arch": "cnn"},
+        "algorithm": {"name": "fedproto"},
+        "train": {"epochs": 1, "batch_size": 16, "lr": 0.05},
+        "bus": {"heartbeat_s": 0.5, "liveness": 6, "max_frame_mb": 16},
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def peak_rss_mb(pid: int) -> float | None:
+    """The process's peak resident set (VmHWM) so far, MiB; None where /proc has none."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+# --------------------------------------------------------------------------- the attacker
+class RawNode:
+    """A node speaking the wire protocol on a raw DEALER socket (CURVE with `curve`, else
+    plaintext): it registers, acknowledges its config as an honest node would, notes its
+    tasks and evaluations, and sends whatever frames it is told to."""
+
+    def __init__(self, endpoint: str, name: str, clients: list[str], *, curve=None,
+                 max_frame: int = 64 << 20):
+        import zmq
+
+        from fedbus.broker import wire
+
+        self.wire = wire
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDTIMEO, 60_000)
+        self.sock.setsockopt(zmq.IDENTITY, f"{name}#{os.urandom(8).hex()}".encode())
+        if curve is not None:
+            self.sock.curve_serverkey = curve.broker_public
+            self.sock.curve_publickey = curve.public
+            self.sock.curve_secretkey = curve.secret
+        self.sock.connect(endpoint)
+        self.name, self.clients, self.max_frame = name, clients, max_frame
+        self.inc = int.from_bytes(os.urandom(4), "little")
+        self.seq = 0
+        self.run = ""
+        self.ready = False
+        self.tasks: list[tuple[str, dict[str, Any], int]] = []  # (client, task body, round)
+        self.evals: list[tuple[str, dict[str, Any], int]] = []
+        self.errors: list[dict[str, Any]] = []
+        self.received: dict[str, int] = {}
+        self.last_tx = 0.0
+        self.registered_at = 0.0
+        self.on_eval: Callable[[RawNode, str, dict, int], None] | None = None
+
+    def send(self, frames) -> None:
+        self.sock.send_multipart(frames, copy=True)
+        self.last_tx = time.monotonic()
+
+    def message(self, kind: str, dst: str, body: Any, *, src: str | None = None,
+                round: int = -1, seq: int | None = None, inc: int | None = None) -> None:
+        if seq is None:
+            self.seq += 1
+            seq = self.seq
+        m = self.wire.Message(kind, src or self.name, dst, body, run=self.run, round=round,
+                              seq=seq, inc=self.inc if inc is None else inc, ts=time.time())
+        self.send(self.wire.encode(m))
+
+    def control(self, kind: str, body: Any) -> None:
+        self.message(kind, "broker", body, seq=0)
+
+    def register(self) -> None:
+        self.control("register", {"role": "client", "node": self.name,
+                                  "clients": list(self.clients), "run": self.run})
+
+    def pump(self, wait_s: float = 0.0) -> None:
+        """Handle what arrived; heartbeat when quiet."""
+        if wait_s:
+            self.sock.poll(int(wait_s * 1000))
+        while self.sock.poll(0):
+            frames = self.sock.recv_multipart()
+            try:
+                m = self.wire.decode(frames, max_frame=self.max_frame)
+            except self.wire.WireError:
+                continue
+            self.received[m.kind] = self.received.get(m.kind, 0) + 1
+            if m.kind == "ready":
+                self.ready = True
+            elif m.kind == "config" and isinstance(m.body, dict):
+                if m.body.get("run") != self.run:
+                    self.run = m.body["run"]
+                    self.message("config", "server", {"node": self.name, "run": self.run})
+            elif m.kind == "task" and isinstance(m.body, dict):
+                self.tasks.append((m.dst, m.body, m.round))
+            elif m.kind == "eval" and isinstance(m.body, dict):
+                self.evals.append((m.dst, m.body, m.round))
+                if self.on_eval is not None:
+                    self.on_eval(self, m.dst, m.body, m.round)
+            elif m.kind == "error" and isinstance(m.body, dict):
+                self.errors.append(m.body)
+                if m.body.get("code") == "not_registered" and \
+                        time.monotonic() - self.registered_at > 1.0:
+                    # purged (a loaded machine kept it silent): register again, as a node
+                    self.registered_at = time.monotonic()
+                    self.register()
+        if time.monotonic() - self.last_tx > 0.2:
+            self.control("heartbeat", None)
+
+    def wait(self, predicate: Callable[[], bool], timeout: float, what: str,
+             check: Callable[[], None] | None = None) -> None:
+        end = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > end:
+                raise TimeoutError(f"{self.name}: timed out waiting for {what}")
+            if check is not None:
+                check()
+            self.pump(0.05)
+
+    def rejections(self) -> list[dict[str, Any]]:
+        return [e for e in self.errors if e.get("code") == "rejected"]
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.control("leave", None)
+        self.sock.close(0)
+
+
+def update_body(task: dict[str, Any], protos: np.ndarray, counts: np.ndarray,
+                **extra: Any) -> dict[str, Any]:
+    body = {"task": task["task"], "version": task["version"], "num_samples": 5,
+            "work": {"epochs_asked": 1, "epochs_done": 1.0, "steps": 1, "samples": 5},
+            "payload": {"protos": protos, "counts": counts}}
+    body.update(extra)
+    return body
+
+
+def own_counts(task: dict[str, Any], num_classes: int) -> np.ndarray:
+    """Counts an honest client with this task's data would send (the task's bound)."""
+    classes = (task.get("bound") or {}).get("classes")
+    if classes is None:
+        out = np.zeros(num_classes, np.int64)
+        out[0] = 1
+        return out
+    return np.asarray(classes, np.int64)
+
+
+# --------------------------------------------------------------------------- the federation
+@dataclass
+class Federation:
+    """Broker (CURVE), server, honest node c0-2 and the attacker c3; with `relay`, a relay
+    whose site broker serves an honest node c4 and a second attacker c5."""
+
+    workdir: Path
+    sections: dict[str, dict[str, Any]]
+    relay: bool = False
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    peaks: dict[str, float] = field(default_factory=dict)
+    evil: RawNode | None = None
+    site_evil: RawNode | None = None
+
+    @property
+    def run_dir(self) -> Path:
+        return self.workdir / "run"
+
+    def _start(self, name: str, *args: str) -> None:
+        log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 (the process owns it)
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "fedbus.launch", *args], stdout=log,
+            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def log(self, name: str) -> str:
+        return (self.workdir / f"{name}.log").read_text(errors="replace")
+
+    def events(self, name: str, event: str | None = None) -> list[dict[str, Any]]:
+        out = []
+        path = self.workdir / f"{name}.jsonl"
+        if not path.exists():
+            return out
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if event is None or rec.get("event") == event:
+                out.append(rec)
+        return out
+
+    def sample_memory(self) -> None:
+        for name, p in self.procs.items():
+            mb = peak_rss_mb(p.pid) if p.poll() is None else None
+            if mb is not None:
+                self.peaks[name] = max(self.peaks.get(name, 0.0), mb)
+
+    def check_alive(self) -> None:
+        for name, p in self.procs.items():
+            # (a node or relay exits 0 at the run's shutdown; the broker never should)
+            if p.poll() is not None and (p.returncode != 0 or name == "broker"):
+                raise RuntimeError(f"{name} exited {p.returncode}:\n{self.log(name)[-3000:]}")
+
+    def start(self) -> None:
+        from fedbus.broker import auth
+        from fedbus.node.config import build_config
+        from fedbus.node.server import build_handler
+
+        # (before the attacker connects: it must not go silent past the broker's liveness)
+        self.spec = build_handler(build_config(self.sections)).update_spec()["protos"][1]
+
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        keys = self.workdir / "keys"
+        auth.write_keypair(keys, "broker", "broker")
+        auth.write_keypair(keys, "server", "server")
+        auth.write_keypair(keys, "node-a", "client", clients="c0-2")
+        auth.write_keypair(keys, EVIL, "client", clients=EVIL_CLIENT)
+        if self.relay:
+            auth.write_keypair(keys, "relay-1", "client", clients="c4-5")
+        cfg = write_toml(self.workdir / "config.toml", self.sections)
+        max_mb = str(self.sections["bus"]["max_frame_mb"])
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self._start("broker", "broker", "--bind", self.endpoint, "--curve", "--keys-dir",
+                    str(keys), *HB, "--max-frame-mb", max_mb, "--log-file",
+                    str(self.workdir / "broker.jsonl"))
+        self.evil = RawNode(self.endpoint, EVIL, [EVIL_CLIENT],
+                            curve=auth.load_peer_curve(keys, EVIL))
+        deadline = time.monotonic() + 60
+        while not self.evil.ready:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the attacker could not register")
+            if time.monotonic() - self.evil.last_tx > 1.0:
+                self.evil.register()  # again: the broker may not have been listening yet
+            self.evil.pump(0.1)
+        self._start("server", "server", "--broker", self.endpoint, str(cfg), "--out",
+                    str(self.run_dir), "--keys-dir", str(keys), "--log-file",
+                    str(self.workdir / "server.jsonl"))
+        self._start("node-a", "node", "--broker", self.endpoint, "--clients", "0-2",
+                    "--keys-dir", str(keys), "--key", "node-a", *HB)
+        if self.relay:
+            site = f"tcp://127.0.0.1:{free_port()}"
+            self._start("relay", "relay", "--upstream", self.endpoint, "--bind", site,
+                        "--keys-dir", str(keys), "--key", "relay-1", *HB,
+                        "--max-frame-mb", max_mb, "--log-file",
+                        str(self.workdir / "relay.jsonl"))
+            self._start("node-site", "node", "--broker", site, "--clients", "4", *HB)
+            self.site_evil = RawNode(site, "site-evil", [SITE_EVIL_CLIENT])
+            deadline = time.monotonic() + 60
+            while not self.site_evil.ready:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the site attacker could not register")
+                if time.monotonic() - self.site_evil.last_tx > 1.0:
+                    self.site_evil.register()
+                self.site_evil.pump(0.1)
+                self.evil.pump()
+
+    def pump(self, wait_s: float = 0.0) -> None:
+        for node in (self.evil, self.site_evil):
+            if node is not None:
+                node.pump(wait_s if node is self.evil else 0.0)
+        self.sample_memory()
+
+    def wait_task(self, node: RawNode, timeout: float = 120) -> tuple[str, dict, int]:
+        n = len(node.tasks)
+
+        def arrived() -> bool:
+            self.pump()
+            return len(node.tasks) > n
+
+        node.wait(arrived, timeout, "a task", self.check_alive)
+        return node.tasks[-1]
+
+    def finish(self, timeout: float = 240) -> None:
+        """The attackers leave; the run ends with the honest clients."""
+        for node in (self.evil, self.site_evil):
+            if node is not None:
+                node.control("leave", None)
+        end = time.monotonic() + timeout
+        server = self.procs["server"]
+        while server.poll() is None:
+            if time.monotonic() > end:
+                raise TimeoutError(f"the server did not finish:\n{self.log('server')[-3000:]}")
+            self.check_alive()
+            self.pump(0.1)
+
+    def processes_up(self) -> tuple[bool, str]:
+        """The server exited 0 with every round done; everyone else still runs."""
+        bad = [f"{n} exited {p.returncode}" for n, p in self.procs.items()
+               if p.poll() is not None and (p.returncode != 0 or n == "broker")]
+        if self.procs["server"].poll() is None:
+            bad.append("the server still runs")
+        summary = self.summary()
+        if summary.get("rounds_completed") != self.sections["federation"]["rounds"]:
+            bad.append(f"rounds_completed {summary.get('rounds_completed')}")
+        return not bad, "; ".join(bad)
+
+    def summary(self) -> dict[str, Any]:
+        try:
+            return json.loads((self.run_dir / "summary.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return {}
+
+    def close(self) -> None:
+        for node in (self.evil, self.site_evil):
+            if node is not None:
+                node.sock.close(0)
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+
+
+def replay_without(run_dir: Path, srcs: set[str]):
+    """The server's engine after the run's logged inputs less the attackers' messages: but
+    the first config acknowledgement of each (which made its clients live and so shaped the
+    sampling) and the refusals of its messages (which ended its tasks: "every answer of the
+    attacker refused"). Returns (engine, messages skipped)."""
+    from fedbus.broker import wire
+    from fedbus.node.msglog import read_log
+    from fedbus.node.replay import load_run, take_refused
+    from fedbus.node.server import build_engine, dispatch
+
+    cfg, run_id = load_run(run_dir)
+    engine = build_engine(cfg, run_id)
+    acked: set[str] = set()
+    skipped = 0
+    for rec in read_log(run_dir):
+        if rec.direction == "in":
+            m = wire.decode(rec.frames, max_frame=1 << 30)
+            if m.src in srcs:
+                if m.kind == "config" and m.src not in acked and \
+                        isinstance(m.body, dict) and m.body.get("run") == run_id:
+                    acked.add(m.src)
+                else:
+                    skipped += 1
+                    continue
+            dispatch(engine, m, rec.time)
+        elif rec.direction == "refused":
+            take_refused(engine, rec)
+        elif rec.direction == "tick":
+            engine.on_tick(rec.time)
+    return engine, skipped
+
+
+def state_equal(run_dir: Path, srcs: set[str]) -> tuple[bool, str]:
+    """The live server's final state against replay_without."""
+    from fedbus.broker.wire import decode_body
+
+    raw = (run_dir / "checkpoint.fbk").read_bytes()
+    live = decode_body(raw, max_frame=len(raw))
+    clean, _ = replay_without(run_dir, srcs)
+    if clean.version != live["version"]:
+        return False, f"version {live['version']} against {clean.version} without the attacker"
+    state = clean.handler.state_dict()
+    for key, value in state.items():
+        theirs = live["handler"].get(key)
+        if theirs is None or not np.array_equal(np.asarray(value), np.asarray(theirs)):
+            return False, f"handler state {key!r} differs"
+    return True, "equal"
+
+
+# --------------------------------------------------------------------------- the attacks
+@dataclass
+class Attack:
+    hole: str
+    name: str
+    what: str
+    run: Callable[[Federation, float], dict[str, Any]]  # (federation, scale) -> facts
+    judge: Callable[[Federation, dict[str, Any]], tuple[bool, str]]
+    sections: Callable[[dict], None] = lambda s: None
+    relay: bool = False
+    attackers: tuple[str, ...] = (EVIL, EVIL_CLIENT)
+
+
+def _spec(fed: Federation) -> tuple[int, int]:
+    return fed.spec
+
+
+def _answer(fed: Federation, make: Callable[[dict, np.ndarray, np.ndarray], dict],
+            node: RawNode | None = None, client: str = EVIL_CLIENT) -> dict[str, Any]:
+    """Answer the attacker's next task with make(task, own counts, zero prototypes)."""
+    node = node or fed.evil
+    dst, task, rnd = fed.wait_task(node)
+    c, d = _spec(fed)
+    body = make(task, own_counts(task, c), np.zeros((c, d), np.float32))
+    node.message("update", "server", body, src=client, round=rnd)
+    return {"sent": 1, "task": task["task"]}
+
+
+def _rejected_by_server(fed: Federation, facts: dict, fragment: str) -> tuple[bool, str]:
+    """The attacker was answered `rejected` with a reason holding fragment."""
+    end = time.monotonic() + 30
+    while time.monotonic() < end:
+        fed.pump(0.05)
+        hits = [e["reason"] for e in fed.evil.rejections() if fragment in str(e.get("reason"))]
+        if len(hits) >= facts.get("sent", 1):
+            return True, hits[0][:90]
+    got = [e.get("reason") for e in fed.evil.rejections()][:3]
+    return False, f"no rejection saying {fragment!r}; got {got}"
+
+
+def _counts_wrap(fed, scale):
+    def make(task, counts, protos):
+        protos[:] = 1.0  # the attacker's target prototypes
+        return update_body(task, protos, np.full(len(counts), 1 << 62, np.int64))
+    return _answer(fed, make)
+
+
+def _counts_epochs(fed, scale):
+    def make(task, counts, protos):
+        protos[:] = 1.0
+        body = update_body(task, protos, counts * 10**8)
+        body["work"]["epochs_asked"] = 10**10
+        return body
+    return _answer(fed, make)
+
+
+def _proto_norm(fed, scale):
+    def make(task, counts, protos):
+        protos[:] = 1e6
+        return update_body(task, protos * (counts > 0)[:, None], counts)
+    return _answer(fed, make)
+
+
+def _merged_mass(fed, scale):
+    dst, task, rnd = fed.wait_task(fed.evil)
+    c, d = _spec(fed)
+    counts = own_counts(task, c)
+    total = int(sum(counts))
+    mass = np.full(c, float(total), np.float64)  # every class as heavy as all its samples
+    body = {"version": task["version"], "rule": "prototype-sums",
+            "members": [[EVIL_CLIENT, task["task"], total,
+                         {"epochs_asked": 1, "epochs_done": 1.0, "steps": 1, "samples": total}]],
+            "payload": {"sums": np.ones((c, d)) * mass[:, None], "mass": mass}}
+    fed.evil.message("merged", "server", body, round=rnd)
+    return {"sent": 1}
+
+
+def _nested(depth: int) -> Any:
+    v: Any = 0
+    for _ in range(depth):
+        v = [v]
+    return v
+
+
+def _deep_nesting(fed, scale):
+    def make(task, counts, protos):
+        return update_body(task, protos, counts, extra=_nested(1000))
+    return _answer(fed, make)
+
+
+def _deep_nesting_judge(fed, facts):
+    # refused at decode (the server's Peer drops the frame, PROTOCOL §8: nothing comes
+    # back) or by the validator: either way never aggregated and the server stays up
+    fed.pump(1.0)
+    rej = [e for e in fed.evil.rejections() if "nested" in str(e.get("reason"))]
+    dropped = "nest" in fed.log("server") or bool(rej) or "deeper" in fed.log("server")
+    return dropped, "refused: " + ("by the validator" if rej else "at decode")
+
+
+EVAL_BAD = [[1], b"0.5", "x", 1e300]
+
+
+def _bad_eval(fed, scale):
+    sent = {"n": 0}
+
+    def on_eval(node, dst, body, rnd):
+        bad = EVAL_BAD[sent["n"] % len(EVAL_BAD)]
+        sent["n"] += 1
+        node.message("eval_result", "server", {"eval": body["eval"], "version": body["version"],
+                                               "metrics": {"acc": bad, "loss": 0.1,
+                                                           "num_test": 1}},
+                     src=dst, round=rnd)
+
+    fed.evil.on_eval = on_eval
+    answered: set[int] = set()
+
+    def evaluated() -> bool:
+        # a client busy with a task is not evaluated: answer each task (with an update the
+        # server refuses, so nothing of the attacker's is aggregated)
+        fed.pump()
+        for dst, task, rnd in fed.evil.tasks:
+            if task["task"] not in answered:
+                answered.add(task["task"])
+                c, d = _spec(fed)
+                fed.evil.message("update", "server", update_body(
+                    task, np.full((c, d), np.nan, np.float32), own_counts(task, c)),
+                    src=dst, round=rnd)
+        return sent["n"] >= 2
+
+    fed.evil.wait(evaluated, 120, "two evaluations", fed.check_alive)
+    return {"sent": sent["n"]}
+
+
+def _bad_eval_judge(fed, facts):
+    ok, detail = _rejected_by_server(fed, {"sent": facts["sent"]}, "metric")
+    recs = [json.loads(x) for x in (fed.run_dir / "metrics.jsonl").read_text().splitlines()
+            if x.strip()] if (fed.run_dir / "metrics.jsonl").exists() else []
+    big = [r.get("acc_mean") for r in recs if (r.get("acc_mean") or 0) > 1]
+    if big:
+        return False, f"acc_mean {big[0]} recorded"
+    return ok, detail
+
+
+def _merged_alias(fed, scale):
+    dst, task, rnd = fed.wait_task(fed.evil)
+    c, d = _spec(fed)
+    work = {"epochs_asked": 1, "epochs_done": 1.0, "steps": 1, "samples": 1}
+    body = {"version": task["version"], "rule": "prototype-sums",
+            "members": [[EVIL_CLIENT, task["task"], 1, work], ["c03", task["task"], 1, work]],
+            "payload": {"sums": np.zeros((c, d)), "mass": np.zeros(c)}}
+    fed.evil.message("merged", "server", body, round=rnd)
+    return {"sent": 1}
+
+
+def _relay_counts(fed, scale):
+    def make(task, counts, protos):
+        protos[:] = 1.0
+        return update_body(task, protos, np.full(len(counts), 1 << 62, np.int64))
+    facts = _answer(fed, make, node=fed.site_evil, client=SITE_EVIL_CLIENT)
+    # and a body nested 1,000 deep at the relay
+    dst, task, rnd = fed.wait_task(fed.site_evil)
+    c, d = _spec(fed)
+    body = update_body(task, np.zeros((c, d), np.float32), own_counts(task, c),
+                       extra=_nested(1000))
+    fed.site_evil.message("update", "server", body, src=SITE_EVIL_CLIENT, round=rnd)
+    return facts
+
+
+def _relay_judge(fed, facts):
+    fed.pump(1.0)
+    recs = [json.loads(x) for x in (fed.run_dir / "metrics.jsonl").read_text().splitlines()
+            if x.strip() and "participants" in x]
+    honest_site = all(4 in r.get("participants", []) for r in recs)
+    refused = [e for e in fed.events("relay", "update not merged: refused")]
+    if not honest_site:
+        return False, "the honest site client c4 did not count in every round"
+    return bool(refused), f"relay refused {len(refused)} member(s); c4 counted every round"
+
+
+def _ack_for_another(fed, scale):
+    # config acknowledgements naming other nodes (the one below a relay that never ran)
+    fed.evil.wait(lambda: bool(fed.evil.run), 60, "the run id", fed.check_alive)
+    for _ in range(20):
+        fed.evil.message("config", "server", {"node": "node-a", "run": fed.evil.run})
+        fed.evil.message("config", "server", {"node": "relay-1", "run": fed.evil.run})
+    fed.wait_task(fed.evil)
+    return {"sent": 40}
+
+
+def _ack_judge(fed, facts):
+    joins = fed.events("server", "node_ready")
+    nodes = [e.get("node") for e in joins]
+    dup = [n for n in set(nodes) if n != EVIL and nodes.count(n) > 1]
+    return not dup, ("each node made ready once, by its own ack" if not dup
+                     else f"{dup} made ready by another's ack")
+
+
+def _dup_flood(fed, scale):
+    n = int(200_000 * scale)
+    c, d = _spec(fed)
+    fed.wait_task(fed.evil)
+    body = {"task": 10**9, "version": 0, "num_samples": 1,
+            "work": {"epochs_asked": 1, "epochs_done": 1.0, "steps": 1, "samples": 1},
+            "payload": {}}
+    before = peak_rss_mb(fed.procs["server"].pid) or 0.0
+    for i in range(n):
+        fed.evil.message("update", "server", body, src=EVIL_CLIENT, seq=1, inc=10_000 + i)
+        if i % 500 == 0:
+            fed.pump()
+    return {"sent": n, "server_before_mb": before}
+
+
+def _flood_judge(fed, facts, cap_mb: float = 150.0):
+    fed.pump(2.0)
+    grew = fed.peaks.get("server", 0.0) - facts.get("server_before_mb", 0.0)
+    return grew < cap_mb, f"server peak grew {grew:.0f} MiB for {facts['sent']} messages"
+
+
+def _register_flood(fed, scale):
+    n = int(20_000 * scale)
+    before = peak_rss_mb(fed.procs["server"].pid) or 0.0
+    for i in range(n):
+        fed.evil.register()
+        if i % 200 == 0:
+            fed.pump()
+    fed.wait_task(fed.evil, timeout=180)
+    return {"sent": n, "server_before_mb": before}
+
+
+def _register_judge(fed, facts):
+    ok, detail = _flood_judge(fed, facts)
+    joins = [e for e in fed.events("server", "join") if e.get("node") == EVIL]
+    limited = len(joins) < facts["sent"] / 10
+    return ok and limited, f"{len(joins)} joins reached the server; {detail}"
+
+
+def _huge_body(fed, scale):
+    max_frame = int(fed.sections["bus"]["max_frame_mb"]) << 20
+    before = {n: peak_rss_mb(fed.procs[n].pid) or 0.0 for n in ("broker", "server")}
+    dst, task, rnd = fed.wait_task(fed.evil)
+    empty_maps = b"\xdd" + (max_frame - 64).to_bytes(4, "big") + b"\x80" * (max_frame - 64)
+    hdr = fed.wire_header("update", EVIL_CLIENT, rnd)
+    fed.evil.send([hdr, empty_maps])
+    fed.evil.control("register", empty_maps)  # the broker decodes register bodies
+    # and updates just under the cap whose arrays are wrong: refused, not logged whole
+    c, d = _spec(fed)
+    pad = np.zeros(max(1, (max_frame - 4096) // 4), np.float32)
+    sent = 2
+    for _ in range(max(1, int(20 * scale))):
+        body = update_body(task, np.zeros((c, d + 1), np.float32), own_counts(task, c),
+                           pad=pad)
+        fed.evil.message("update", "server", body, src=EVIL_CLIENT, round=rnd)
+        sent += 1
+        fed.pump()
+    return {"sent": sent, "before": before, "max_frame": max_frame}
+
+
+def _huge_judge(fed, facts):
+    fed.pump(2.0)
+    grew = {n: fed.peaks.get(n, 0.0) - facts["before"][n] for n in ("broker", "server")}
+    log_mb = (fed.run_dir / "messages.bin").stat().st_size / 2**20 \
+        if (fed.run_dir / "messages.bin").exists() else 0.0
+    frame_mb = facts["max_frame"] / 2**20
+    ok = all(g < 8 * frame_mb + 64 for g in grew.values()) and log_mb < 4 * frame_mb
+    return ok, (f"peak growth broker {grew['broker']:.0f} MiB, server {grew['server']:.0f} "
+                f"MiB; messages.bin {log_mb:.1f} MiB")
+
+
+def _set(**sections):
+    def apply(s):
+        for sec, table in sections.items():
+            s.setdefault(sec, {}).update(table)
+    return apply
+
+
+ATTACKS = [
+    Attack("1", "counts-wrap", "counts [2**62] x C", _counts_wrap,
+           lambda f, x: _rejected_by_server(f, x, "counts")),
+    Attack("2", "counts-epochs", "counts 1e8 x samples, epochs_asked 1e10", _counts_epochs,
+           lambda f, x: _rejected_by_server(f, x, "counts")),
+    Attack("3", "proto-norm", "prototypes of 1e6 a coordinate under clip_norm 1",
+           _proto_norm, lambda f, x: _rejected_by_server(f, x, "L2 norm"),
+           sections=_set(privacy={"clip_norm": 1.0})),
+    Attack("4", "merged-mass", "a merged update 10x its members' samples", _merged_mass,
+           lambda f, x: _rejected_by_server(f, x, "mass")),
+    Attack("5", "deep-nesting", "a list nested 1,000 deep in an update", _deep_nesting,
+           _deep_nesting_judge),
+    Attack("6", "eval-metrics", "acc = [1], b'0.5', 'x', 1e300", _bad_eval, _bad_eval_judge),
+    Attack("7", "merged-alias", "a merged update listing c3 and c03", _merged_alias,
+           lambda f, x: _rejected_by_server(f, x, "client")),
+    Attack("8", "relay-member", "counts 2**62 and nesting 1,000 deep behind a relay",
+           _relay_counts, _relay_judge, relay=True,
+           attackers=(EVIL, EVIL_CLIENT, SITE_EVIL_CLIENT, "site-evil")),
+    Attack("9", "ack-for-another", "config acks naming other nodes", _ack_for_another,
+           _ack_judge),
+    Attack("10", "dup-flood", "200k updates, each with a fresh incarnation", _dup_flood,
+           _flood_judge),
+    Attack("11", "register-flood", "20k registrations never acknowledged", _register_flood,
+           _register_judge),
+    Attack("12", "huge-body", "a max-size body of empty maps; 20 refused max-size updates",
+           _huge_body, _huge_judge),
+]
+BY_NAME = {a.name: a for a in ATTACKS}
+
+
+def _wire_header(fed: Federation, kind: str, src: str, rnd: int) -> bytes:
+    from fedbus.broker import wire
+
+    fed.evil.seq += 1
+    return wire.encode_header(kind, src, "server", run=fed.evil.run, round=rnd,
+                              seq=fed.evil.seq, inc=fed.evil.inc, ts=time.time())
+
+
+Federation.wire_header = _wire_header  # type: ignore[attr-defined]
+
+
+@dataclass
+class Outcome:
+    attack: Attack
+    refused: bool
+    refused_detail: str
+    unchanged: bool
+    unchanged_detail: str
+    up: bool
+    up_detail: str
+    peaks: dict[str, float]
+    wall_s: float
+
+    @property
+    def ok(self) -> bool:
+        return self.refused and self.unchanged and self.up
+
+
+def run_attack(attack: Attack, workdir: Path, *, scale: float = 1.0,
+               rounds: int = 3) -> Outcome:
+    """One attack against a fresh federation; the outcome's four columns."""
+    sections = base_sections(6 if attack.relay else 4, rounds)
+    attack.sections(sections)
+    fed = Federation(workdir, sections, relay=attack.relay)
+    t0 = time.monotonic()
+    try:
+        fed.start()
+        facts = attack.run(fed, scale)
+        refused, detail = attack.judge(fed, facts)
+        fed.finish()
+        up, up_detail = fed.processes_up()
+        fed.sample_memory()
+    finally:
+        fed.close()
+    try:
+        unchanged, why = state_equal(fed.run_dir, set(attack.attackers))
+    except Exception as err:  # a log that cannot be replayed is a failed check, reported
+        unchanged, why = False, f"replay failed: {type(err).__name__}: {err}"
+    return Outcome(attack, refused, detail, unchanged, why, up, up_detail, dict(fed.peaks),
+                   time.monotonic() - t0)
+
+
+# --------------------------------------------------------------------------- CLI
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--only", action="append", default=[], metavar="NAME",
+                   help=f"run only these attacks (repeatable): {', '.join(BY_NAME)}")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="flood sizes relative to the issue's (200k updates, 20k "
+                        "registrations, 20 max-size updates); default 1")
+    p.add_argument("--out", default=None, help="keep each federation's folder here")
+    p.add_argument("--json", action="store_true", help="print the table as JSON lines")
+
+
+def main_args(args: argparse.Namespace) -> int:
+    chosen = [BY_NAME[n] for n in args.only] if args.only else ATTACKS
+    unknown = [n for n in args.only if n not in BY_NAME]
+    if unknown:
+        print(f"fedbus bench attack: unknown attack {unknown[0]!r}; attacks are "
+              f"{', '.join(BY_NAME)}", file=sys.stderr)
+        return 2
+    root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fedbus-attack-"))
+    print(f"fedbus bench attack: {len(chosen)} attacks, scale {args.scale}, folders in {root}",
+          flush=True)
+    print(f"{'hole':>4}  {'attack':<16} {'refused':<8} {'state':<10} {'up':<4} "
+          f"{'broker MiB':>10} {'server MiB':>10} {'s':>5}  detail")
+    failed = 0
+    for attack in chosen:
+        folder = root / attack.name
+        shutil.rmtree(folder, ignore_errors=True)
+        try:
+            o = run_attack(attack, folder, scale=args.scale)
+        except Exception as err:
+            failed += 1
+            print(f"{attack.hole:>4}  {attack.name:<16} ERROR: {type(err).__name__}: {err}"[:300],
+                  flush=True)
+            continue
+        failed += not o.ok
+        if args.json:
+            print(json.dumps({"hole": attack.hole, "attack": attack.name,
+                              "refused": o.refused, "unchanged": o.unchanged, "up": o.up,
+                              "peaks_mb": o.peaks, "detail": o.refused_detail,
+                              "state": o.unchanged_detail, "wall_s": o.wall_s}), flush=True)
+            continue
+        print(f"{attack.hole:>4}  {attack.name:<16} {'yes' if o.refused else 'NO':<8} "
+              f"{'unchanged' if o.unchanged else 'CHANGED':<10} {'yes' if o.up else 'NO':<4} "
+              f"{o.peaks.get('broker', float('nan')):>10.0f} "
+              f"{o.peaks.get('server', float('nan')):>10.0f} {o.wall_s:>5.0f}  "
+              f"{o.refused_detail}" + ("" if o.unchanged else f" | {o.unchanged_detail}")
+              + ("" if o.up else f" | {o.up_detail}"), flush=True)
+    print(f"{len(chosen) - failed} of {len(chosen)} attacks held off")
+    return 1 if failed else 0
