@@ -23,7 +23,8 @@ from fedbus.broker.peer import Peer
 from fedbus.broker.wire import BROKER, Message, decode_body, encode_body
 from fedbus.models import describe_group
 from fedbus.node.config import Config
-from fedbus.node.engine import SERVER, Engine, Out, Refusal, client_index, count_params
+from fedbus.node.engine import (SERVER, Engine, Out, Refusal, client_address, client_index,
+                                count_params)
 from fedbus.node.msglog import MessageLogWriter
 from fedbus.node.rundir import RunDir, atomic_write, summarise
 from fedbus.node.setup import (arch_builder, check_models, distinct_archs, federated_data,
@@ -112,12 +113,21 @@ def _judge(engine: Engine, msg: Message) -> Refusal | None:
     if kind == "merged":
         return _judge_merged(engine, msg, refuse)
     if kind == "config":
-        if not isinstance(body, dict) or not isinstance(body.get("run"), str):
-            return refuse("config acknowledgement must be {run: str}")
+        if not isinstance(body, dict) or body.get("run") != engine.run_id:
+            return refuse("a config acknowledgement must name this run")
+        if config_sender(engine, src) is None:
+            return refuse(f"{src!r} is no node of this run")
         return None
     if kind == "error":
         if not isinstance(body, dict):
             return refuse("error body must be a map")
+        if src == BROKER:
+            return None
+        task = engine.tasks.get(body.get("task")) if isinstance(body.get("task"), int) \
+            else None
+        if body.get("code") != "handler_failed" or task is None or \
+                client_address(task.client) != src:
+            return refuse("an error from a client must end a task sent to it")
         return None
     if kind == "eval_result":
         if not isinstance(body, dict):
@@ -175,6 +185,18 @@ def _judge_merged(engine: Engine, msg: Message, refuse) -> Refusal | None:
     return refuse(reason, tasks=tasks)
 
 
+def config_sender(engine: Engine, src: str) -> str | None:
+    """The node a config acknowledgement is credited to: the sender the broker authenticated
+    (the node itself, or the node hosting the client address it sent from), never what the
+    body says."""
+    if src in engine.nodes:
+        return src
+    try:
+        return engine.host.get(client_index(src))
+    except ValueError:
+        return None
+
+
 def apply(engine: Engine, msg: Message, now: float) -> list[Out]:
     """An accepted message -> engine event -> messages to send."""
     body: Any = msg.body
@@ -191,14 +213,7 @@ def apply(engine: Engine, msg: Message, now: float) -> list[Out]:
     if kind == "merged":
         return engine.on_merged(msg.src, body, msg.nbytes, now)
     if kind == "config":
-        # credited to the sender the broker authenticated, never to what the body says: the
-        # node itself, or the node hosting the client address it sent from
-        node = msg.src if msg.src in engine.nodes else None
-        if node is None and msg.src.startswith("c"):
-            try:
-                node = engine.host.get(client_index(msg.src))
-            except ValueError:
-                node = None
+        node = config_sender(engine, msg.src)
         return [] if node is None else engine.on_configured(node, body["run"], now)
     if kind == "error" and body.get("code") == "handler_failed":
         return engine.on_task_failed(msg.src, body.get("task"), now)
