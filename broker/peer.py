@@ -6,6 +6,14 @@ heartbeats, acknowledges, drops duplicates, and -- when the broker goes silent f
 heartbeat_s x liveness -- closes the socket, reconnects with exponential backoff (1 s doubling
 to 32 s), re-registers and resends every message not acknowledged yet. See PROTOCOL.md §6.
 
+What the I/O thread remembers is bounded whatever the other side sends or fails to send:
+the duplicate-detection state (per source address at most dedup_incs_per_src incarnations,
+at most dedup_max_keys (src, inc) pairs and dedup_max_seqs sequence numbers in all, least
+recently used dropped first, pairs silent for dedup_ttl_s forgotten) and the resend buffer
+(max_unacked messages / max_unacked_bytes in all, and on a server at most
+max_unacked_per_dst to one destination address: one that never acknowledges loses its
+oldest).
+
 Silent means no bytes, not no whole message: a message takes as long as its size over the
 link's rate to arrive (a 750 kB model over 1 Mbit/s: 6 s), and messages queued behind it
 wait, heartbeats included. So while the kernel says data still arrives on the connection
@@ -110,13 +118,19 @@ def receive_idle_s(fd: int | None, peer) -> float | None:
     return struct.unpack_from("=I", info, _LAST_DATA_RECV)[0] / 1000.0
 
 
+# a (src, inc) pair's received sequence numbers above its watermark: at most this many, then
+# the watermark moves past the oldest half (PROTOCOL.md §6)
+_ABOVE_MAX = 65536
+
+
 class _Out:
     """A sent message awaiting its acknowledgement."""
 
-    __slots__ = ("frames", "msg", "nbytes", "sent_at", "waiting")
+    __slots__ = ("dst", "frames", "msg", "nbytes", "sent_at", "waiting")
 
     def __init__(self, msg: Message, waiting: set | None):
         self.msg = msg
+        self.dst = msg.dst
         self.frames = msg.frames
         self.nbytes = msg.nbytes
         self.sent_at = 0.0  # 0: not transmitted on the current connection yet
@@ -144,6 +158,13 @@ class Peer:
         always "server". The node name is an address too.
     curve: an auth.PeerCurve (this node's keypair and the broker's public key) to encrypt and
         authenticate with CurveZMQ; None = plaintext. Under CURVE the name must be the key's.
+    max_unacked, max_unacked_bytes: the resend buffer's size in all (oldest dropped).
+    max_unacked_per_dst: at most this many unacknowledged messages to one destination
+        address (oldest dropped, logged once per destination); None: 1024 on a server,
+        whose destinations are clients that might never acknowledge, no more than
+        max_unacked on a client node, whose only destination is the server.
+    dedup_incs_per_src, dedup_max_keys, dedup_max_seqs, dedup_ttl_s: the bounds of the
+        duplicate-detection state (PROTOCOL.md §6).
     """
 
     def __init__(
@@ -164,6 +185,11 @@ class Peer:
         resend_s: float = 10.0,
         max_unacked: int = 100_000,
         max_unacked_bytes: int = 1 << 30,
+        max_unacked_per_dst: int | None = None,
+        dedup_incs_per_src: int = 8,
+        dedup_max_keys: int = 65_536,
+        dedup_max_seqs: int = 1 << 20,
+        dedup_ttl_s: float = 3600.0,
     ):
         if role not in ("server", "client"):
             raise ValueError(f"role must be 'server' or 'client', got {role!r}")
@@ -188,6 +214,13 @@ class Peer:
         self.resend_s = float(resend_s)
         self.max_unacked = int(max_unacked)
         self.max_unacked_bytes = int(max_unacked_bytes)
+        if max_unacked_per_dst is None:
+            max_unacked_per_dst = 1024 if role == "server" else self.max_unacked
+        self.max_unacked_per_dst = max(1, int(max_unacked_per_dst))
+        self.dedup_incs_per_src = max(1, int(dedup_incs_per_src))
+        self.dedup_max_keys = max(1, int(dedup_max_keys))
+        self.dedup_max_seqs = max(1, int(dedup_max_seqs))
+        self.dedup_ttl_s = float(dedup_ttl_s)
         self.inc = random.getrandbits(63) or 1
         # CURVE (auth.PeerCurve): encrypt, authenticate with this node's key; the routing id
         # gets a random part the broker binds to the key (see auth.peer_routing_id)
@@ -225,8 +258,16 @@ class Peer:
         self._sock: zmq.Socket | None = None
         self._unacked: dict[tuple[str, int], _Out] = {}
         self._unacked_bytes = 0
+        # destination address -> its keys in _unacked, oldest first
+        self._by_dst: dict[str, dict[tuple[str, int], None]] = {}
+        self._dst_drops: dict[str, int] = {}  # destination -> messages dropped (logged once)
         self._backlog: deque = deque()  # frame pairs waiting for the socket (HWM)
-        self._seen: dict[tuple[str, int], list] = {}  # (src, inc) -> [watermark, set above]
+        # (src, inc) -> [watermark, set of seqs above it, last use]; least recently used first
+        self._seen: dict[tuple[str, int], list] = {}
+        self._seen_incs: dict[str, dict[int, None]] = {}  # src -> its incs in _seen
+        self._seen_seqs = 0  # seqs held in all the sets above watermarks
+        self._next_seen_sweep = 0.0
+        self._dedup_logged = 0.0
         self._acks: dict[str, list[tuple[int, int]]] = {}  # src address -> [(inc, seq)]
         self._client_nodes: set[str] = set()  # server: live client nodes (join/leave)
         # server: client address -> the node hosting it (join/leave), so that one ack per
@@ -256,6 +297,8 @@ class Peer:
         self.n_resent = 0
         self.n_bad = 0
         self.n_reconnects = 0
+        self.n_unacked_dropped = 0  # dropped from the resend buffer unacknowledged
+        self.n_dedup_evicted = 0  # (src, inc) pairs forgotten to stay within the bounds
 
     # ------------------------------------------------------------------ public API
     def start(self, timeout: float = 30.0) -> None:
@@ -398,6 +441,15 @@ class Peer:
     def unacked_count(self) -> int:
         """Messages sent (or queued) and not acknowledged yet."""
         return len(self._unacked) + len(self._outq)
+
+    def unacked_for(self, dst: str) -> int:
+        """Messages to dst in the resend buffer (sent, not acknowledged yet)."""
+        return len(self._by_dst.get(dst, ()))
+
+    @property
+    def dedup_keys(self) -> int:
+        """(src, inc) pairs the duplicate detection remembers now."""
+        return len(self._seen)
 
     def __enter__(self):
         if self._thread is None:
@@ -585,23 +637,49 @@ class Peer:
             if msg.dst == BROADCAST and self._client_nodes:
                 waiting = set(self._client_nodes)
             out = _Out(msg, waiting)
-            self._unacked[(msg.src, msg.seq)] = out
+            key = (msg.src, msg.seq)
+            self._unacked[key] = out
             self._unacked_bytes += out.nbytes
+            per_dst = self._by_dst.get(out.dst)
+            if per_dst is None:
+                per_dst = self._by_dst[out.dst] = {}
+            per_dst[key] = None
             self.n_sent += 1
             if ready:
                 self._transmit(out.frames)
                 out.sent_at = now
+            if len(per_dst) > self.max_unacked_per_dst:
+                self._trim_dst(out.dst, per_dst)
         if len(self._unacked) > self.max_unacked or self._unacked_bytes > self.max_unacked_bytes:
             self._trim_unacked()
+
+    def _trim_dst(self, dst: str, per_dst: dict) -> None:
+        """A destination holds more than max_unacked_per_dst unacknowledged messages (it
+        does not acknowledge: a hostile or broken node): drop its oldest, so that it cannot
+        grow the resend buffer, nor the work of resending it, without bound."""
+        dropped = 0
+        while len(per_dst) > self.max_unacked_per_dst:
+            self._forget(next(iter(per_dst)))
+            dropped += 1
+        self.n_unacked_dropped += dropped
+        drops = self._dst_drops
+        before = drops.get(dst)
+        if before is not None:
+            drops[dst] = before + dropped
+        elif len(drops) < 65_536:
+            drops[dst] = dropped
+            self.log.warning("destination does not acknowledge: its oldest unacknowledged "
+                             "messages are dropped from the resend buffer (logged once per "
+                             "destination)", dst=dst, max_per_dst=self.max_unacked_per_dst,
+                             dropped_total=self.n_unacked_dropped)
 
     def _trim_unacked(self) -> None:
         dropped = 0
         while self._unacked and (len(self._unacked) > self.max_unacked
                                  or self._unacked_bytes > self.max_unacked_bytes):
-            key = next(iter(self._unacked))
-            out = self._unacked.pop(key)
-            self._unacked_bytes -= out.nbytes
+            self._forget(next(iter(self._unacked)))
             dropped += 1
+        self.n_unacked_dropped += dropped
         self.log.warning("resend buffer full: oldest unacknowledged messages dropped",
                          dropped=dropped, max_messages=self.max_unacked,
                          max_bytes=self.max_unacked_bytes)
@@ -623,6 +701,11 @@ class Peer:
         out = self._unacked.pop(key, None)
         if out is not None:
             self._unacked_bytes -= out.nbytes
+            per_dst = self._by_dst.get(out.dst)
+            if per_dst is not None:
+                per_dst.pop(key, None)
+                if not per_dst:
+                    del self._by_dst[out.dst]
 
     # -- receiving
     def _drain_socket(self, max_msgs: int = 4096) -> None:
@@ -670,7 +753,7 @@ class Peer:
                         if len(self._acks) == 1:
                             self._next_ack = time.monotonic() + self.ack_interval_s
                     acks.append((inc, seq))
-                    if self._is_duplicate(src, inc, seq):
+                    if self._is_duplicate(src, inc, seq, self._last_rx):
                         self.n_duplicates += 1
                         continue
                 self.n_received += 1
@@ -683,13 +766,16 @@ class Peer:
             self._bad_logged = now
             self.log.warning("bad frame dropped", reason=reason, bad_total=self.n_bad)
 
-    def _is_duplicate(self, src: str, inc: int, seq: int) -> bool:
+    def _is_duplicate(self, src: str, inc: int, seq: int, now: float) -> bool:
         """Record (src, inc, seq); True if it was seen before."""
         key = (src, inc)
-        st = self._seen.get(key)
+        seen = self._seen
+        st = seen.pop(key, None)  # re-inserted below: the dict is in least-recent-use order
         if st is None:
-            st = self._seen[key] = [0, set()]
-        wm, above = st
+            st = self._seen_new(src, inc)
+        seen[key] = st
+        st[2] = now
+        wm, above = st[0], st[1]
         if seq <= wm or seq in above:
             return True
         if seq == wm + 1:
@@ -697,17 +783,81 @@ class Peer:
             while wm + 1 in above:
                 wm += 1
                 above.discard(wm)
+                self._seen_seqs -= 1
             st[0] = wm
         else:
             above.add(seq)
-            if len(above) > 65536:
-                # a sender's seqs are shared by all its destinations, so gaps can be
-                # permanent: forget the oldest half (duplicates only come from resends
-                # of recent, unacknowledged messages)
-                keep = sorted(above)
-                st[0] = keep[len(keep) // 2]
-                st[1] = set(keep[len(keep) // 2 + 1:])
+            self._seen_seqs += 1
+            if len(above) > _ABOVE_MAX or self._seen_seqs > self.dedup_max_seqs:
+                self._seen_trim(st, src)
         return False
+
+    def _seen_trim(self, st: list, src: str) -> None:
+        """Move a pair's watermark past the oldest half of the seqs it holds above it (a
+        sender's seqs are shared by all its destinations, so gaps can be permanent, and
+        duplicates only come from resends of recent, unacknowledged messages) -- or past
+        more, so that all pairs together hold at most dedup_max_seqs: the sender whose
+        gaps fill the allowance pays for them, not the senders around it."""
+        keep = sorted(st[1])
+        over = self._seen_seqs - self.dedup_max_seqs
+        cut = min(len(keep), max(len(keep) // 2 + 1, over))
+        st[0] = keep[cut - 1]
+        st[1] = set(keep[cut:])
+        self._seen_seqs -= cut
+        if over > 0:
+            self._dedup_full("dedup_max_seqs", src)
+
+    def _seen_new(self, src: str, inc: int) -> list:
+        """State for a new (src, inc), making room for it: the source's least recently used
+        incarnation beyond dedup_incs_per_src, the least recently used pair beyond
+        dedup_max_keys. (One sender that makes up a new inc per message -- a restarted
+        process has a new one -- can so hold no more than a few entries.)"""
+        seen = self._seen
+        incs = self._seen_incs.get(src)
+        if incs is None:
+            incs = self._seen_incs[src] = {}
+        elif len(incs) >= self.dedup_incs_per_src:
+            oldest = min(incs, key=lambda i: seen[(src, i)][2])
+            self._seen_drop((src, oldest))
+            self._dedup_full("dedup_incs_per_src", src)
+            if src not in self._seen_incs:
+                incs = self._seen_incs[src] = {}
+        incs[inc] = None
+        if len(seen) >= self.dedup_max_keys:
+            while seen and len(seen) >= self.dedup_max_keys:
+                self._seen_drop(next(iter(seen)))
+            self._dedup_full("dedup_max_keys", src)
+        return [0, set(), 0.0]
+
+    def _seen_drop(self, key: tuple[str, int], evicted: bool = True) -> None:
+        st = self._seen.pop(key)
+        self._seen_seqs -= len(st[1])
+        incs = self._seen_incs.get(key[0])
+        if incs is not None:
+            incs.pop(key[1], None)
+            if not incs:
+                del self._seen_incs[key[0]]
+        if evicted:
+            self.n_dedup_evicted += 1
+
+    def _dedup_full(self, bound: str, src: str) -> None:
+        now = time.monotonic()
+        if now - self._dedup_logged > 10.0:
+            self._dedup_logged = now
+            self.log.warning("duplicate-detection state at its bound: older entries "
+                             "forgotten", bound=bound, src=src, keys=len(self._seen),
+                             seqs=self._seen_seqs, evicted_total=self.n_dedup_evicted)
+
+    def _seen_sweep(self, now: float) -> None:
+        """Forget (src, inc) pairs silent for dedup_ttl_s (the oldest come first)."""
+        limit = now - self.dedup_ttl_s
+        expired = []
+        for key, st in self._seen.items():
+            if st[2] >= limit:
+                break
+            expired.append(key)
+        for key in expired:
+            self._seen_drop(key, evicted=False)  # aged out, not pushed out
 
     def _note_connection(self, frame) -> None:
         """Remember the connection the broker's messages come in on, for the silence check
@@ -903,6 +1053,9 @@ class Peer:
                               "a long message in transit", silent_s=round(now - self._last_rx, 1),
                               data_idle_s=idle)
             self._next_silence_check = now + min(self.heartbeat_s, limit - idle)
+        if self._seen and now >= self._next_seen_sweep:
+            self._next_seen_sweep = now + min(60.0, max(self.dedup_ttl_s / 4, 0.05))
+            self._seen_sweep(now)
         if st == _READY:
             if self._acks and now >= self._next_ack:
                 self._flush_acks()

@@ -234,3 +234,192 @@ def test_start_fails_cleanly(tcp_endpoint, broker_proc):
         n1.send("update", "server", {"x": object()})
     n1.close()
     s1.close()
+
+
+# ---------------------------------------------------------------------------- bounded state
+def _drain(sock: zmq.Socket) -> int:
+    """Read and drop whatever arrived on a raw socket (acks); how many messages."""
+    n = 0
+    while sock.poll(0):
+        sock.recv_multipart(copy=False)
+        n += 1
+    return n
+
+
+def _heartbeat(sock: zmq.Socket, name: str) -> None:
+    sock.send_multipart(wire.encode(Message("heartbeat", name, "broker", None)))
+
+
+def test_duplicate_table_stays_bounded_under_fresh_incarnations(ipc_endpoint, broker_proc):
+    """Issue 30, hole 10: an authenticated client sends tiny updates, each with a new `inc`
+    (200k of them held +241 MB in the server before); the receiving Peer must not remember
+    them all, and must still drop a true duplicate -- of a sender that keeps its
+    incarnation through the flood, and of the flood's latest message. 50k updates (paced
+    under the broker's per-node message rate) against at most 8 pairs a source show the
+    bound; then the bound on all pairs together."""
+    broker_proc(ipc_endpoint)
+    server = Peer(ipc_endpoint, "srv", role="server", dedup_max_seqs=1000)
+    assert (server.dedup_incs_per_src, server.dedup_max_keys, server.dedup_ttl_s) == \
+        (8, 65_536, 3600)
+    assert Peer(ipc_endpoint, "x", role="server").dedup_max_seqs == 1 << 20
+    server.start(60)
+    ctx = zmq.Context()
+    srcs = [f"c{i}" for i in range(10)]
+    raw = raw_client(ctx, ipc_endpoint, "raw", srcs + ["steady"])
+    body = wire.encode_body({"x": 1})
+    N, batch = 50_000, 1_000
+    LIVE = 424242  # "steady" keeps one incarnation and counts its seqs up through the flood
+    live_seq = sent = 0
+
+    def delivered(n: int) -> None:
+        deadline = time.monotonic() + 60
+        while server.n_received < n and time.monotonic() < deadline:
+            _drain(raw)
+            while server.recv(0) is not None:
+                pass
+            time.sleep(0.005)
+        assert server.n_received == n, (server.n_received, n)
+        while server.recv(0) is not None:
+            pass
+
+    try:
+        t0 = time.monotonic()
+        while sent < N:
+            t_batch = time.monotonic()
+            for i in range(sent, sent + batch):
+                raw.send(wire.encode_header("update", srcs[i % 10], "server", seq=1,
+                                            inc=1_000_000 + i), zmq.SNDMORE)
+                raw.send(body)
+            live_seq += 1
+            raw.send_multipart([wire.encode_header("update", "steady", "server", seq=live_seq,
+                                                   inc=LIVE), body])
+            _heartbeat(raw, "raw")
+            sent += batch
+            delivered(sent + live_seq)
+            # the bound holds all along: 8 incarnations a source, the steady one among them
+            assert server.dedup_keys <= 10 * 8 + 1
+            assert all(len(incs) <= 8 for incs in server._seen_incs.values())
+            assert LIVE in server._seen_incs["steady"]
+            time.sleep(max(0.0, t_batch + batch / 10_000 - time.monotonic()))
+        elapsed = time.monotonic() - t0
+        assert server.n_duplicates == 0
+        assert server.n_dedup_evicted >= N - 80
+        assert server._seen_seqs == 0  # contiguous seqs leave nothing above the watermarks
+        # true duplicates are still dropped: the steady sender's recent seqs, and the
+        # flood's latest message (its pair is among the most recently used)
+        for src, inc, seq in (("steady", LIVE, live_seq), ("steady", LIVE, live_seq - 5),
+                              (srcs[(N - 1) % 10], 1_000_000 + N - 1, 1)):
+            raw.send_multipart([wire.encode_header("update", src, "server", seq=seq, inc=inc),
+                                body])
+        wait_for(lambda: server.n_duplicates == 3, 30, message="three duplicates dropped")
+        assert server.recv(0.5) is None and server.n_received == N + live_seq
+
+        # gaps (seqs that went elsewhere, or made up) are held above the watermark up to
+        # dedup_max_seqs in all; the sender that makes them pays: its watermark moves on
+        base = live_seq
+        for k in range(1, 1501):
+            raw.send_multipart([wire.encode_header("update", "steady", "server",
+                                                   seq=base + 2 * k, inc=LIVE), body])
+            if k % 500 == 0:
+                _heartbeat(raw, "raw")
+                delivered(N + live_seq + k)
+                assert server._seen_seqs <= 1000
+        raw.send_multipart([wire.encode_header("update", "steady", "server",
+                                               seq=base + 3000, inc=LIVE), body])
+        wait_for(lambda: server.n_duplicates == 4, 30, message="a gapped duplicate dropped")
+
+        # many sources (a node may host many addresses): dedup_max_keys bounds them all,
+        # least recently used first
+        server.dedup_max_keys = 32
+        got = server.n_received
+        for i in range(3000):
+            raw.send_multipart([wire.encode_header("update", srcs[i % 10], "server", seq=1,
+                                                   inc=2_000_000 + i), body])
+            if i % 500 == 499:
+                _heartbeat(raw, "raw")
+                delivered(got + i + 1)
+                assert server.dedup_keys <= 32
+        print(f"{N} fresh incarnations in {elapsed:.1f} s")
+    finally:
+        raw.close()
+        ctx.term()
+        server.close()
+
+
+def test_duplicate_state_of_silent_sources_ages_out(ipc_endpoint, broker_proc):
+    broker_proc(ipc_endpoint)
+    server = Peer(ipc_endpoint, "srv", role="server", dedup_ttl_s=0.5)
+    server.start(60)
+    ctx = zmq.Context()
+    raw = raw_client(ctx, ipc_endpoint, "raw", ["c0", "c1"])
+    try:
+        for src, inc, seq in (("c0", 5, 1), ("c0", 5, 2), ("c0", 5, 4), ("c1", 6, 1)):
+            raw.send_multipart(wire.encode(Message("update", src, "server", {}, seq=seq,
+                                                   inc=inc)))
+        wait_for(lambda: server.n_received == 4, 30, message="four updates")
+        assert server.dedup_keys == 2 and server._seen_seqs == 1  # c0's 4 waits above 2
+        wait_for(lambda: server.dedup_keys == 0, 10, message="silent pairs forgotten")
+        assert server._seen_seqs == 0 and server._seen_incs == {}
+        assert server.n_dedup_evicted == 0  # aged out, not pushed out
+    finally:
+        raw.close()
+        ctx.term()
+        server.close()
+
+
+def test_resend_buffer_to_a_destination_that_never_acks_is_capped(ipc_endpoint, broker_proc):
+    """Issue 30, hole 11: a node that registers again and again and never acknowledges made
+    the server keep (and resend every resend_s) every config sent to it: +177 MB for 20k,
+    rounds/s 16 -> 9.5. Per destination the server now keeps the newest
+    max_unacked_per_dst, drops the oldest, counts them and logs once per destination; a
+    destination that acknowledges is unaffected."""
+    from structlog.testing import capture_logs
+
+    assert Peer(ipc_endpoint, "s", role="server").max_unacked_per_dst == 1024
+    assert Peer(ipc_endpoint, "n", role="client", addresses=["c"]).max_unacked_per_dst == \
+        100_000  # a client node's one destination, the server: bounded by max_unacked
+    broker_proc(ipc_endpoint)
+    ctx = zmq.Context()
+    good = None
+    with capture_logs() as logs:
+        server = Peer(ipc_endpoint, "srv", role="server", max_unacked_per_dst=50, resend_s=0.4)
+        try:
+            server.start(60)
+            mute = raw_client(ctx, ipc_endpoint, "mute", ["c0"])
+            good = Peer(ipc_endpoint, "good", role="client", addresses=["c1"])
+            good.start(60)
+            joined = set()
+            while joined != {"mute", "good"}:
+                joined.add(recv_kind(server, "join").body["node"])
+            to_c0 = [server.send("task", "c0", {"i": i}).seq for i in range(300)]
+            to_mute = [server.send("config", "mute", {"i": i}).seq for i in range(120)]
+            # (the cap counts what is unacknowledged: a burst to c1 stays under it)
+            to_c1 = [server.send("task", "c1", {"i": i}).seq for i in range(40)]
+            got = [recv_kind(good, "task").body["i"] for _ in range(40)]
+            assert got == list(range(40))
+            wait_for(lambda: server.unacked_for("c1") == 0, 30, message="c1's acks")
+            assert server.unacked_for("c0") == 50 and server.unacked_for("mute") == 50
+            assert server.unacked_count == 100
+            assert server.n_unacked_dropped == 250 + 70
+            # the mute node got everything once; resends (every 0.4 s) are of the newest 50
+            # to each of its destinations only
+            seen: dict[int, int] = {}
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline:
+                if mute.poll(100):
+                    m = wire.decode(mute.recv_multipart())
+                    if m.kind in ("task", "config"):
+                        seen[m.seq] = seen.get(m.seq, 0) + 1
+                _heartbeat(mute, "mute")
+            assert set(to_c0 + to_mute) <= set(seen)
+            resent = {s for s, k in seen.items() if k > 1}
+            assert resent and resent <= set(to_c0[-50:] + to_mute[-50:])
+            assert not set(to_c1) & set(seen)
+        finally:
+            if good is not None:
+                good.close()
+            server.close()
+            ctx.destroy(0)
+    drops = [e for e in logs if e["event"].startswith("destination does not acknowledge")]
+    assert sorted(e["dst"] for e in drops) == ["c0", "mute"], drops  # once per destination
+    assert all(e["log_level"] == "warning" and e["max_per_dst"] == 50 for e in drops)
