@@ -67,8 +67,8 @@ MAX_DEPTH_C = 1024  # the stack of msgpack's C parser (measured at import, below
 MAX_DEPTH = 32
 # A body holds at most this many msgpack values: every list item, map key and map value,
 # nested or not, counts one (an array ext counts one, whatever its size). 1 Mi values is
-# about 100 times a 10,000-member merged update, and bounds what one frame can allocate as
-# Python objects (~100 MB at worst, e.g. a million empty maps) whatever the frame size.
+# about 6 times a 10,000-member merged update (~160 k values), and bounds what one frame can
+# allocate as Python objects (73 MiB at worst: a million empty maps) whatever its size.
 MAX_ITEMS = 1 << 20
 MAX_NDIM = 32  # array rank, as numpy's own limit
 ARRAY_EXT = 1  # msgpack ext type code of an array
