@@ -436,6 +436,7 @@ class Attack:
     sections: Callable[[dict], None] = lambda s: None
     relay: bool = False
     attackers: tuple[str, ...] = (EVIL, EVIL_CLIENT)
+    test_scale: float = 0.05  # the scale tests/test_adversary.py runs it at
 
 
 def _spec(fed: Federation) -> tuple[int, int]:
@@ -511,17 +512,28 @@ def _nested(depth: int) -> Any:
 
 def _deep_nesting(fed, scale):
     def make(task, counts, protos):
-        return update_body(task, protos, counts, extra=_nested(1000))
+        body = update_body(task, protos, counts)
+        body["payload"]["extra"] = _nested(1000)  # inside the payload the validator walks
+        return body
     return _answer(fed, make)
+
+
+def _said_nested(fed: Federation, name: str) -> bool:
+    """A log line of process `name` refusing (or dropping) a body for its nesting."""
+    return any("nested" in json.dumps(r) for r in fed.events(name)
+               if r.get("level") in ("warning", "error"))
 
 
 def _deep_nesting_judge(fed, facts):
     # refused at decode (the server's Peer drops the frame, PROTOCOL §8: nothing comes
-    # back) or by the validator: either way never aggregated and the server stays up
-    fed.pump(1.0)
-    rej = [e for e in fed.evil.rejections() if "nested" in str(e.get("reason"))]
-    dropped = "nest" in fed.log("server") or bool(rej) or "deeper" in fed.log("server")
-    return dropped, "refused: " + ("by the validator" if rej else "at decode")
+    # back; a log line says why) or by the validator: never aggregated, the server stays up
+    end = time.monotonic() + 10
+    while time.monotonic() < end:
+        fed.pump(0.2)
+        rej = [e for e in fed.evil.rejections() if "nested" in str(e.get("reason"))]
+        if rej or _said_nested(fed, "server"):
+            return True, "refused: " + ("by the validator" if rej else "at decode")
+    return False, "no refusal for its nesting"
 
 
 EVAL_BAD = [[1], b"0.5", "x", 1e300]
@@ -589,6 +601,7 @@ def _relay_counts(fed, scale):
     c, d = _spec(fed)
     body = update_body(task, np.zeros((c, d), np.float32), own_counts(task, c),
                        extra=_nested(1000))
+    body["payload"]["extra"] = body.pop("extra")
     fed.site_evil.message("update", "server", body, src=SITE_EVIL_CLIENT, round=rnd)
     return facts
 
@@ -598,15 +611,19 @@ def _relay_judge(fed, facts):
     recs = [json.loads(x) for x in (fed.run_dir / "metrics.jsonl").read_text().splitlines()
             if x.strip() and "participants" in x]
     honest_site = all(4 in r.get("participants", []) for r in recs)
-    refused = [e for e in fed.events("relay", "update not merged: refused")]
+    refused = fed.events("relay", "update not merged: refused")
     if not honest_site:
         return False, "the honest site client c4 did not count in every round"
-    return bool(refused), f"relay refused {len(refused)} member(s); c4 counted every round"
+    if not _said_nested(fed, "relay"):
+        return False, "the relay said nothing of the nested body"
+    return bool(refused), (f"relay refused {len(refused)} member(s) and the nested body; "
+                           "c4 counted every round")
 
 
 def _ack_for_another(fed, scale):
-    # config acknowledgements naming other nodes (the one below a relay that never ran)
-    fed.evil.wait(lambda: bool(fed.evil.run), 60, "the run id", fed.check_alive)
+    # config acknowledgements naming other nodes (the one below a relay that never ran), once
+    # the run has started (node-a is configured: a second ack for it would show)
+    fed.wait_task(fed.evil)
     for _ in range(20):
         fed.evil.message("config", "server", {"node": "node-a", "run": fed.evil.run})
         fed.evil.message("config", "server", {"node": "relay-1", "run": fed.evil.run})
@@ -633,13 +650,17 @@ def _dup_flood(fed, scale):
         fed.evil.message("update", "server", body, src=EVIL_CLIENT, seq=1, inc=10_000 + i)
         if i % 500 == 0:
             fed.pump()
-    return {"sent": n, "server_before_mb": before}
+    return {"sent": n, "server_before_mb": before, "cap_mb": max(30.0, 150.0 * scale)}
 
 
-def _flood_judge(fed, facts, cap_mb: float = 150.0):
+def _flood_judge(fed, facts):
+    """The server's peak grew less than the cap: 150 MiB at the issue's scale (where
+    today's server grew 241 MiB), in proportion below it (30 MiB at least)."""
     fed.pump(2.0)
+    cap = facts.get("cap_mb", 150.0)
     grew = fed.peaks.get("server", 0.0) - facts.get("server_before_mb", 0.0)
-    return grew < cap_mb, f"server peak grew {grew:.0f} MiB for {facts['sent']} messages"
+    return grew < cap, (f"server peak grew {grew:.0f} MiB (cap {cap:.0f}) for "
+                        f"{facts['sent']} messages")
 
 
 def _register_flood(fed, scale):
@@ -651,7 +672,7 @@ def _register_flood(fed, scale):
         if i % 200 == 0:
             fed.pump()
     fed.wait_task(fed.evil, timeout=180)
-    return {"sent": n, "server_before_mb": before}
+    return {"sent": n, "server_before_mb": before, "cap_mb": max(30.0, 150.0 * scale)}
 
 
 def _register_judge(fed, facts):
@@ -683,7 +704,13 @@ def _huge_body(fed, scale):
 
 
 def _huge_judge(fed, facts):
-    fed.pump(2.0)
+    # the server takes messages in order: once the updates sent after the huge body are
+    # answered, it has been through the body
+    end = time.monotonic() + 120
+    while len(fed.evil.rejections()) < facts["sent"] - 2 and time.monotonic() < end:
+        fed.check_alive()
+        fed.pump(0.2)
+    fed.pump(1.0)
     grew = {n: fed.peaks.get(n, 0.0) - facts["before"][n] for n in ("broker", "server")}
     log_mb = (fed.run_dir / "messages.bin").stat().st_size / 2**20 \
         if (fed.run_dir / "messages.bin").exists() else 0.0
@@ -721,7 +748,7 @@ ATTACKS = [
     Attack("9", "ack-for-another", "config acks naming other nodes", _ack_for_another,
            _ack_judge),
     Attack("10", "dup-flood", "200k updates, each with a fresh incarnation", _dup_flood,
-           _flood_judge),
+           _flood_judge, test_scale=0.5),
     Attack("11", "register-flood", "20k registrations never acknowledged", _register_flood,
            _register_judge),
     Attack("12", "huge-body", "a max-size body of empty maps; 20 refused max-size updates",

@@ -288,6 +288,8 @@ class Peer:
         self._next_ack = 0.0
         self._next_resend = 0.0
         self._bad_logged = 0.0
+        self._trim_logged = -1e9
+        self._trim_dropped = 0
         self._poller: zmq.Poller | None = None
         self._poll_key: tuple = ()
         # counters
@@ -680,9 +682,14 @@ class Peer:
             self._forget(next(iter(self._unacked)))
             dropped += 1
         self.n_unacked_dropped += dropped
-        self.log.warning("resend buffer full: oldest unacknowledged messages dropped",
-                         dropped=dropped, max_messages=self.max_unacked,
-                         max_bytes=self.max_unacked_bytes)
+        self._trim_dropped += dropped
+        now = time.monotonic()
+        if dropped and now - self._trim_logged > 10.0:  # once the buffer is full, every
+            self._trim_logged = now                      # send trims: log a sum, not each
+            self.log.warning("resend buffer full: oldest unacknowledged messages dropped",
+                             dropped=self._trim_dropped, max_messages=self.max_unacked,
+                             max_bytes=self.max_unacked_bytes)
+            self._trim_dropped = 0
 
     def _resend_all(self) -> None:
         """After "ready": transmit every unacknowledged message again, in order."""

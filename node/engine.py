@@ -263,6 +263,7 @@ class Engine:
         # (build_engine fills them): samples per class of its training set, and the size
         # of its test set; and the norm bounds of every upload (SECURITY.md).
         self.class_samples: dict[int, np.ndarray] = {}
+        self._bounds: dict[int, dict[str, Any]] = {}
         self.test_sizes: dict[int, int] = {}
         self.norms = server_norms(cfg, handler)
         # async bookkeeping of the current aggregation window
@@ -522,9 +523,13 @@ class Engine:
         """What the client's answer may claim, carried in its task for a relay, which builds
         no data set and checks each member's update before merging it (fedbus.node.relay):
         its training samples, per class where known, and labelled units a sample."""
-        per_class = self.class_samples.get(client)
-        return {"samples": self.max_samples(client), "units": self.label_pixels,
+        bound = self._bounds.get(client)
+        if bound is None:  # (a task a client per round: made once)
+            per_class = self.class_samples.get(client)
+            bound = self._bounds[client] = {
+                "samples": self.max_samples(client), "units": self.label_pixels,
                 "classes": None if per_class is None else [int(v) for v in per_class]}
+        return bound
 
     def _sample(self, candidates: list[int], k: int) -> list[int]:
         k = min(k, len(candidates))

@@ -33,7 +33,7 @@ RUN = "run-adv"
 # --------------------------------------------------------------------------- processes
 @pytest.mark.parametrize("attack", atk.ATTACKS, ids=[f"{a.hole}-{a.name}" for a in atk.ATTACKS])
 def test_a_hostile_participant_is_refused_and_changes_nothing(tmp_path, attack):
-    o = atk.run_attack(attack, tmp_path / attack.name, scale=0.05, rounds=3)
+    o = atk.run_attack(attack, tmp_path / attack.name, scale=attack.test_scale, rounds=3)
     assert o.refused, o.refused_detail
     assert o.up, o.up_detail
     assert o.unchanged, o.unchanged_detail
