@@ -51,6 +51,10 @@ from fedbus.node.validate import Norms, Rejected, check_update, proto_bound
 log = get_logger("fedbus.relay")
 
 
+# members of one merged update: each is ~15 msgpack values, the wire takes 2**20 a body
+MAX_MERGED_MEMBERS = 50_000
+
+
 @dataclass
 class Group:
     """One sync round's tasks at this relay and the updates merged so far."""
@@ -324,9 +328,12 @@ class Relay:
             self.stats["forwarded_updates"] += 1
             self._up_send("update", body, src=address, round=msg.round)
         else:
-            if g.total is not None and self._frame_room(
-                    g.total_bytes + self.rule.grows_by(form), len(g.members) + 1) < 0:
-                self._send_merged(g)  # a growing sum form (MP-FedCL's pool) is full: send it
+            if g.total is not None and (self._frame_room(
+                    g.total_bytes + self.rule.grows_by(form), len(g.members) + 1) < 0
+                    or len(g.members) >= MAX_MERGED_MEMBERS):
+                # a growing sum form (MP-FedCL's pool) is full, or the member list would
+                # pass the wire's values a body (about 15 a member): send what it holds
+                self._send_merged(g)
             try:
                 g.total = self.rule.add(g.total, form)
             except (KeyError, ValueError) as err:  # a wrong shape: the server judges it

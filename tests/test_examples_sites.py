@@ -156,7 +156,8 @@ def test_the_slurm_relay_job_runs_one_site_below_its_relay(tmp_path):
                               str(tmp_path / "runs" / "slurm-site-42" / "site-keys")],
                              capture_output=True, text=True, check=True).stdout
     # process k = node * 2 + gpu hosts its share of 0-5
-    hosts = {line.split()[0]: line.split()[2] for line in listing.splitlines()
+    column = listing.splitlines()[0].split().index("clients")  # (the columns' header)
+    hosts = {line.split()[0]: line.split()[column] for line in listing.splitlines()
              if line.startswith("gpu") and ".key " in line}
     assert hosts == {"gpu0.key": "c0", "gpu1.key": "c1-2", "gpu2.key": "c3",
                      "gpu3.key": "c4-5"}, listing
