@@ -12,6 +12,9 @@ from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = ("arrows: <- received, -> sent, x- refused (the log keeps the refusal, not the "
+                "refused message; refusals that changed only a counter appear as one "
+                "'refused' line with their count); answers to refusals are not logged")
     p.add_argument("run", metavar="RUN", help="run directory")
     p.add_argument("--round", type=int, default=None, help="only this round")
     p.add_argument("--client", type=int, default=None, help="only messages to or from client ID")
@@ -66,8 +69,9 @@ def main(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps(e))
                 continue
-            arrow = {"in": "<-", "out": "->"}.get(e["dir"], "..")
-            peer = e["src"] if e["dir"] == "in" else e["dst"]
+            # "x-": a refused message (the log holds the refusal, not the message)
+            arrow = {"in": "<-", "out": "->", "refused": "x-"}.get(e["dir"], "..")
+            peer = e["src"] if e["dir"] in ("in", "refused") else e["dst"]
             rnd = "" if e.get("round", -1) < 0 else f"r{e['round']}"
             print(f"{e['t'] - t0:9.3f}s {arrow} {e['kind']:<12} {peer:<10} {rnd:<5} "
                   f"{e['bytes']:>10,} B  seq {e['seq']}")
