@@ -49,7 +49,8 @@ EVIL_CLIENT = "c3"
 SITE_EVIL_CLIENT = "c5"
 
 
-def base_sections(clients: int, rounds: int = 3) -> dict[str, dict[str, Any]]:
+def base_sections(clients: int, rounds: int = 3,
+                  max_frame_mb: int = 16) -> dict[str, dict[str, Any]]:
     """FedProto on digits: c0-2 honest, c3 the attacker (c4-5 below a relay when asked)."""
     return {
         "federation": {"clients": clients, "rounds": rounds, "seed": 5, "deadline_s": 3.0,
@@ -59,7 +60,7 @@ def base_sections(clients: int, rounds: int = 3) -> dict[str, dict[str, Any]]:
         "model": {"arch": "cnn"},
         "algorithm": {"name": "fedproto"},
         "train": {"epochs": 1, "batch_size": 16, "lr": 0.05},
-        "bus": {"heartbeat_s": 0.5, "liveness": 6, "max_frame_mb": 16},
+        "bus": {"heartbeat_s": 0.5, "liveness": 6, "max_frame_mb": max_frame_mb},
     }
 
 
@@ -786,9 +787,9 @@ class Outcome:
 
 
 def run_attack(attack: Attack, workdir: Path, *, scale: float = 1.0,
-               rounds: int = 3) -> Outcome:
+               rounds: int = 3, max_frame_mb: int = 16) -> Outcome:
     """One attack against a fresh federation; the outcome's four columns."""
-    sections = base_sections(6 if attack.relay else 4, rounds)
+    sections = base_sections(6 if attack.relay else 4, rounds, max_frame_mb)
     attack.sections(sections)
     fed = Federation(workdir, sections, relay=attack.relay)
     t0 = time.monotonic()
@@ -816,6 +817,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale", type=float, default=1.0,
                    help="flood sizes relative to the issue's (200k updates, 20k "
                         "registrations, 20 max-size updates); default 1")
+    p.add_argument("--max-frame-mb", type=int, default=64,
+                   help="the bus's frame limit, which the huge-body attack fills (default 64, "
+                        "the config default)")
     p.add_argument("--out", default=None, help="keep each federation's folder here")
     p.add_argument("--json", action="store_true", help="print the table as JSON lines")
 
@@ -837,7 +841,7 @@ def main_args(args: argparse.Namespace) -> int:
         folder = root / attack.name
         shutil.rmtree(folder, ignore_errors=True)
         try:
-            o = run_attack(attack, folder, scale=args.scale)
+            o = run_attack(attack, folder, scale=args.scale, max_frame_mb=args.max_frame_mb)
         except Exception as err:
             failed += 1
             print(f"{attack.hole:>4}  {attack.name:<16} ERROR: {type(err).__name__}: {err}"[:300],
