@@ -184,6 +184,14 @@ class ServerHandler:
         (fedbus.node.ffd); never written through."""
         return None
 
+    def count_epochs(self) -> int:
+        """How many passes over a client's training set its uploaded per-class "counts" may
+        cover: 1 where counts are class sizes (the default), the local epochs asked where
+        they count every sample seen while training (FD's "during"). The server bounds
+        counts by the client's class sizes times this (fedbus.node.validate), from its own
+        config, never from the update's work report."""
+        return 1
+
     def update_spec(self) -> dict[str, tuple[str, tuple[int | None, ...]]]:
         """Arrays an update must carry: {"protos": ("float32", (C, D)), ...}.
         None in a shape matches any size. Used to validate updates before

@@ -72,6 +72,8 @@ The server draws no random numbers; its state is the global vectors and their ma
 """
 from __future__ import annotations
 
+import math
+
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -150,6 +152,12 @@ class FDServer(Params, ServerHandler):
 
     def make_task(self, client: int, info: RoundInfo) -> dict[str, Any]:
         return {"logits": self.logits, "has": self.has}
+
+    def count_epochs(self) -> int:
+        # "during" counts every training output, epochs included
+        if self.param("collect") == "during":
+            return max(1, math.ceil(float(self.ctx.train.get("epochs", 1))))
+        return 1
 
     def aggregate(self, updates: list[ClientUpdate], failures: list[Failure],
                   info: RoundInfo) -> dict[str, float]:

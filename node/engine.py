@@ -266,6 +266,7 @@ class Engine:
         self._bounds: dict[int, dict[str, Any]] = {}
         self.test_sizes: dict[int, int] = {}
         self.norms = server_norms(cfg, handler)
+        self.count_epochs = int(handler.count_epochs())
         # async bookkeeping of the current aggregation window
         self.window = RoundState(0, 0.0, [], 0.0, 0.0)
         self.slow = self._pick_slow_clients()
@@ -528,6 +529,7 @@ class Engine:
             per_class = self.class_samples.get(client)
             bound = self._bounds[client] = {
                 "samples": self.max_samples(client), "units": self.label_pixels,
+                "epochs": self.count_epochs,
                 "classes": None if per_class is None else [int(v) for v in per_class]}
         return bound
 

@@ -368,7 +368,7 @@ class Relay:
             check_update(body, None, num_classes=num_classes,
                          max_samples=int(bound.get("samples", 0)), class_samples=classes,
                          label_pixels=int(bound.get("units", 1)), max_bytes=self.max_frame,
-                         norms=norms)
+                         norms=norms, count_epochs=int(bound.get("epochs", 1)))
         except Rejected as err:
             return str(err)
         return None

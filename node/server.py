@@ -106,7 +106,7 @@ def _judge(engine: Engine, msg: Message) -> Refusal | None:
                          class_samples=engine.class_max(client),
                          max_bytes=int(engine.cfg.bus.max_frame_mb) << 20,
                          nbytes=msg.nbytes, label_pixels=engine.label_pixels,
-                         norms=engine.norms)
+                         norms=engine.norms, count_epochs=engine.count_epochs)
         except Rejected as err:  # the client's answer to a live task: that task is over
             return refuse(str(err), task=body["task"])
         return None
@@ -163,7 +163,8 @@ def _judge_merged(engine: Engine, msg: Message, refuse) -> Refusal | None:
         check_merged(body, rule.spec(engine.handler), max_samples=engine.max_samples,
                      max_bytes=int(engine.cfg.bus.max_frame_mb) << 20, nbytes=msg.nbytes,
                      units=engine.label_pixels, num_classes=engine.handler.ctx.num_classes,
-                     class_samples=engine.class_max, norms=engine.norms)
+                     class_samples=engine.class_max, norms=engine.norms,
+                     count_epochs=engine.count_epochs)
         reason = rule.check(body["payload"], body["members"]) or \
             engine.is_expected_merged(msg.src, body, run=msg.run, round=msg.round)
     except (Rejected, ValueError) as err:

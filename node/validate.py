@@ -65,17 +65,25 @@ class Norms:
 class ClientBounds:
     """What one client's update can honestly claim, from the server's own partition:
     `samples` its training-set size, `classes` its samples per class (None: unknown, the
-    total bounds each class), `units` labelled units a sample (H * W for segmentation)."""
+    total bounds each class), `units` labelled units a sample (H * W for segmentation),
+    `epochs` the passes its counts may cover (ServerHandler.count_epochs: the server's own
+    config, never the update's work report)."""
 
     samples: int
     classes: np.ndarray | None = None
     units: int = 1
+    epochs: int = 1
 
     def class_max(self, num_classes: int) -> np.ndarray:
         """int64 [C]: the most a count of each class can be."""
+        k = max(1, int(self.epochs))
         if self.classes is not None and self.units == 1 and len(self.classes) == num_classes:
-            return np.asarray(self.classes, dtype=np.int64)
-        return np.full(num_classes, int(self.samples) * max(1, int(self.units)), np.int64)
+            return np.asarray(self.classes, dtype=np.int64) * k
+        return np.full(num_classes, self.total(), np.int64)
+
+    def total(self) -> int:
+        """The most all counts together can be."""
+        return int(self.samples) * max(1, int(self.units)) * max(1, int(self.epochs))
 
 
 DEFAULT_PROTO_NORM = 1e4  # features of the zoo's networks are 1-100 long
@@ -236,7 +244,7 @@ def check_counts(counts: Any, bounds: ClientBounds, num_classes: int,
             k = int(over[0])
             raise Rejected(f"{name}[{k}] = {int(counts[k])} is more than the client's "
                            f"{int(limit[k])} samples of class {k}")
-    total_max = int(bounds.samples) * units
+    total_max = bounds.total()
     if int(counts.max()) > total_max:  # each term fits before the exact sum below
         raise Rejected(f"{name} holds {int(counts.max())}, more than the client's "
                        f"{total_max} samples")
@@ -257,7 +265,7 @@ def canonical_client(address: Any) -> int:
 def check_update(body: Any, spec: Mapping[str, Any] | None, *,
                  num_classes: int, max_samples: int, max_bytes: int | None = None,
                  nbytes: int = 0, label_pixels: int = 1, class_samples: Any = None,
-                 norms: Norms | None = None) -> None:
+                 norms: Norms | None = None, count_epochs: int = 1) -> None:
     """Raise Rejected with the reason if an update body is not acceptable.
 
     max_bytes: the size cap (the bus's max_frame): the message (nbytes, header + body) and
@@ -267,6 +275,7 @@ def check_update(body: Any, spec: Mapping[str, Any] | None, *,
     label_pixels: labelled units per sample, 1 for classification; H * W for segmentation
     masks, whose per-class counts count pixels (at feature resolution, at most H * W a
     sample): counts may then sum to max_samples * label_pixels.
+    count_epochs: the passes counts may cover (ServerHandler.count_epochs).
     norms: the server's norm bounds (check_norms); None checks none.
     spec: the declared arrays; None checks none (a relay, which builds no model).
     """
@@ -282,7 +291,7 @@ def check_update(body: Any, spec: Mapping[str, Any] | None, *,
     payload = body["payload"]
     _check_arrays(payload, spec, max_bytes)
     bounds = ClientBounds(int(max_samples), None if class_samples is None else
-                          np.asarray(class_samples), int(label_pixels))
+                          np.asarray(class_samples), int(label_pixels), int(count_epochs))
     check_counts(payload.get("counts"), bounds, num_classes)
     classes = payload.get("classes")
     if isinstance(classes, np.ndarray) and classes.size:
@@ -295,7 +304,7 @@ def check_merged(body: Any, spec: Mapping[str, Any], *,
                  max_samples: Callable[[int], int], max_bytes: int | None = None,
                  nbytes: int = 0, units: int = 1, num_classes: int | None = None,
                  class_samples: Callable[[int], Any] | None = None,
-                 norms: Norms | None = None) -> None:
+                 norms: Norms | None = None, count_epochs: int = 1) -> None:
     """Raise Rejected if a relay's pre-aggregated update (kind "merged", PROTOCOL.md §4) is
     not acceptable: its members ([client address, task, num_samples, work], each client
     once, in the engine's spelling, its samples at most max_samples(client)), and its
@@ -349,7 +358,8 @@ def check_merged(body: Any, spec: Mapping[str, Any], *,
         limit = np.zeros(num_classes, np.float64)
         for c in clients:
             cs = None if class_samples is None else class_samples(c)
-            b = ClientBounds(max_samples(c), None if cs is None else np.asarray(cs), u)
+            b = ClientBounds(max_samples(c), None if cs is None else np.asarray(cs), u,
+                             count_epochs)
             limit += b.class_max(num_classes)
     else:
         limit = np.full(mass.shape, float(max(samples, len(clients)) * u), np.float64)
@@ -365,7 +375,8 @@ def check_merged(body: Any, spec: Mapping[str, Any], *,
                                             pool.get("counts", []))):
             cs = None if class_samples is None else class_samples(int(c))
             check_counts(np.asarray(counts), ClientBounds(max_samples(int(c)), None if cs is None
-                                                          else np.asarray(cs), u),
+                                                          else np.asarray(cs), u,
+                                                          count_epochs),
                          num_classes, name=f"pool counts[{r}]")
         if norms is not None and norms.proto > 0 and isinstance(pool.get("protos"), np.ndarray):
             worst = float(_row_norms(pool["protos"]).max()) if pool["protos"].size else 0.0

@@ -49,8 +49,8 @@ def test_a_hostile_participant_is_refused_and_changes_nothing(tmp_path, attack):
 
 # --------------------------------------------------------------------------- engine level
 def _engine(**changes):
-    sections = merged(SMALL, federation={"clients": 2, "rounds": 2, "seed": 3},
-                      algorithm={"name": "fedproto"}, **changes)
+    changes.setdefault("algorithm", {"name": "fedproto"})
+    sections = merged(SMALL, federation={"clients": 2, "rounds": 2, "seed": 3}, **changes)
     engine = build_engine(build_config(sections), RUN)
     engine.on_join("node-0", ["c0", "c1"], 0.0)
     outs = engine.on_configured("node-0", RUN, 0.0)
@@ -97,6 +97,22 @@ def test_counts_are_bounded_by_the_clients_own_class_sizes_and_cannot_wrap():
     counts[absent] = 1
     assert f"counts[{absent}] = 1" in _answer(engine, tasks, _update(engine, tasks["c0"],
                                                                      counts=counts))
+
+
+def test_counts_over_every_training_pass_are_bounded_by_the_servers_epochs():
+    """FD's "during" counts every output of every local epoch: the bound is the class sizes
+    times the epochs the server's config asks, whatever the update's work report says."""
+    engine, tasks = _engine(algorithm={"name": "fd"}, train={"epochs": 2})
+    assert engine.count_epochs == 2 and tasks["c0"].body["bound"]["epochs"] == 2
+    c = engine.handler.ctx.num_classes
+    body = {"task": tasks["c0"].body["task"], "version": 0, "num_samples": 5,
+            "work": {"epochs_asked": 2, "epochs_done": 2.0, "steps": 4, "samples": 10},
+            "payload": {"logits": np.zeros((c, c), np.float32),
+                        "counts": engine.class_max(0) * 2}}
+    assert judge(engine, _msg("update", "c0", body)) is None
+    body["payload"]["counts"] = engine.class_max(0) * 3
+    body["work"]["epochs_asked"] = 3
+    assert "more than the client's" in judge(engine, _msg("update", "c0", body)).reason
 
 
 def test_the_epochs_a_client_says_it_was_asked_never_widen_the_bound():
