@@ -227,17 +227,15 @@ static int64_t be64(const unsigned char *p) {
     return (int64_t)v;
 }
 
-/* The cached target for this message, or NULL (with no error set) to hand it to Python. */
-static PyObject *fast_target(PyObject *node, const unsigned char *hdr, size_t n, size_t blen,
+/* The cached target for this message (rcache: its sender's node.rcache), or NULL (with no
+ * error set) to hand it to Python. */
+static PyObject *fast_target(PyObject *rcache, const unsigned char *hdr, size_t n, size_t blen,
                              size_t max_frame) {
     if (n <= TAIL_LEN || n > MAX_HEADER_BYTES || blen > max_frame)
         return NULL;
     const unsigned char *t = hdr + n - TAIL_LEN;
     if (memcmp(t, K_ROUND, 7) || memcmp(t + 15, K_SEQ, 5) || memcmp(t + 28, K_INC, 5) ||
         memcmp(t + 41, K_TS, 4) || be64(t + 7) < -1)
-        return NULL;
-    PyObject *rcache = PyObject_GetAttr(node, s_rcache);
-    if (rcache == NULL)
         return NULL;
     PyObject *target = NULL;
     if (PyDict_CheckExact(rcache) && PyDict_GET_SIZE(rcache) > 0) {
@@ -250,7 +248,6 @@ static PyObject *fast_target(PyObject *node, const unsigned char *hdr, size_t n,
         Py_DECREF(prefix);
         Py_XINCREF(target);
     }
-    Py_DECREF(rcache);
     if (target == NULL)
         return NULL;
     PyObject *pending = PyObject_GetAttr(target, s_pending);
@@ -293,6 +290,13 @@ static PyObject *fr_route(PyObject *mod, PyObject *args) {
     Py_ssize_t used = 0;
     PyObject *held = NULL, *more = Py_True;
     zmq_msg_t rid, hdr, body;
+    /* the sender of the last messages (a run of messages from one node is the usual case):
+     * its rcache and credit, and whether its last_seen was set in this call. No Python code
+     * runs inside this call, so they stay its own; `now` is one value for the whole call, so
+     * setting last_seen once per run is the same as once per message. */
+    PyObject *run_node = NULL, *run_rcache = NULL;
+    Credit *run_credit = NULL;
+    int run_seen = 0;
 
     while (used < max_msgs) {
         Z.msg_init(&rid);
@@ -344,7 +348,24 @@ static PyObject *fr_route(PyObject *mod, PyObject *args) {
         const unsigned char *h = Z.msg_data(&hdr);
         size_t n = Z.msg_size(&hdr), blen = Z.msg_size(&body);
         PyObject *node = PyDict_GetItemWithError(nodes, rid_b); /* borrowed */
-        PyObject *target = node ? fast_target(node, h, n, blen, (size_t)max_frame) : NULL;
+        if (node != NULL && node != run_node) {
+            Py_CLEAR(run_rcache);
+            Py_CLEAR(run_credit);
+            run_node = node;
+            run_seen = 0;
+            PyObject *cr = PyObject_GetAttr(node, s_credit);
+            if (cr != NULL && Py_TYPE(cr) == &CreditType)
+                run_credit = (Credit *)cr;
+            else {
+                Py_XDECREF(cr);
+                PyErr_Clear(); /* no credit: every message of it goes to Python */
+            }
+            run_rcache = PyObject_GetAttr(node, s_rcache);
+            if (run_rcache == NULL)
+                run_node = NULL;
+        }
+        PyObject *target =
+            node && run_rcache ? fast_target(run_rcache, h, n, blen, (size_t)max_frame) : NULL;
         if (PyErr_Occurred()) {
             Py_XDECREF(target);
             Py_DECREF(rid_b);
@@ -352,21 +373,11 @@ static PyObject *fr_route(PyObject *mod, PyObject *args) {
             Z.msg_close(&body);
             goto fail;
         }
-        Credit *credit = NULL;
-        if (target != NULL) {
-            /* out of credit: Python refills it from the node's buckets, or refuses the
-             * message as rate_limited */
-            PyObject *cr = PyObject_GetAttr(node, s_credit);
-            if (cr == NULL)
-                PyErr_Clear();
-            else if (Py_TYPE(cr) == &CreditType && ((Credit *)cr)->msgs > 0 &&
-                     ((Credit *)cr)->nbytes > 0)
-                credit = (Credit *)cr;
-            else
-                Py_DECREF(cr);
-            if (credit == NULL)
-                Py_CLEAR(target);
-        }
+        /* out of credit: Python refills it from the node's buckets, or refuses the message as
+         * rate_limited */
+        if (target != NULL &&
+            (run_credit == NULL || run_credit->msgs <= 0 || run_credit->nbytes <= 0))
+            Py_CLEAR(target);
         if (target != NULL) {
             PyObject *trid = PyObject_GetAttr(target, s_rid);
             Py_DECREF(target);
@@ -381,12 +392,14 @@ static PyObject *fr_route(PyObject *mod, PyObject *args) {
                 Z.msg_send(&body, sock, ZMQ_DONTWAIT);
                 Z.msg_close(&hdr);
                 Z.msg_close(&body);
-                credit->msgs -= 1;
-                credit->nbytes -= (long long)(n + blen);
-                Py_DECREF(credit);
-                if (PyObject_SetAttr(node, s_last_seen, now_obj) < 0) {
-                    Py_DECREF(rid_b);
-                    goto fail;
+                run_credit->msgs -= 1;
+                run_credit->nbytes -= (long long)(n + blen);
+                if (!run_seen) {
+                    if (PyObject_SetAttr(node, s_last_seen, now_obj) < 0) {
+                        Py_DECREF(rid_b);
+                        goto fail;
+                    }
+                    run_seen = 1;
                 }
                 Py_DECREF(rid_b);
                 routed++;
@@ -397,7 +410,6 @@ static PyObject *fr_route(PyObject *mod, PyObject *args) {
                 Py_DECREF(trid);
             }
         }
-        Py_XDECREF(credit);
         PyObject *hdr_b = PyBytes_FromStringAndSize((const char *)h, n);
         Z.msg_close(&hdr);
         PyObject *body_o = held_from(&body);
@@ -411,6 +423,8 @@ static PyObject *fr_route(PyObject *mod, PyObject *args) {
         break;
     }
     Py_DECREF(now_obj);
+    Py_XDECREF(run_rcache);
+    Py_XDECREF(run_credit);
     if (held == NULL) {
         if (PyErr_Occurred())
             return NULL;
@@ -420,6 +434,8 @@ static PyObject *fr_route(PyObject *mod, PyObject *args) {
     return Py_BuildValue("(OLLnN)", more, routed, nbytes, used, held);
 fail:
     Py_DECREF(now_obj);
+    Py_XDECREF(run_rcache);
+    Py_XDECREF(run_credit);
     return NULL;
 }
 
