@@ -55,7 +55,7 @@ from .log import get_logger
 from .peer import noted_connection, receive_idle_s
 from .wire import BROADCAST, BROKER, DEFAULT_MAX_FRAME, SERVER, WireError
 
-__all__ = ["Broker", "Limits", "Node", "MAX_REGISTER_BYTES"]
+__all__ = ["MAX_REGISTER_BYTES", "Broker", "Limits", "Node"]
 
 # A register body's cap. A relay hosting 100,000 clients "c0".."c99999" registers a body of
 # 688,973 bytes (msgpack: 7 bytes per address), 100,000 addresses of 19 characters take 2.1
@@ -1280,7 +1280,7 @@ def _decode_register(frame):
         raise WireError("trailing bytes after the register body") from None
     except UnicodeDecodeError as e:
         raise WireError(f"a str that is not valid UTF-8: {e.reason}") from None
-    except Exception as e:  # msgpack's FormatError/ValueError/StackError...
+    except Exception as e:  # noqa: BLE001 -- msgpack's FormatError/ValueError/StackError...
         raise WireError(f"malformed register body: {type(e).__name__}: {e}") from None
 
 

@@ -79,8 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from fedbus.broker.auth import (AllowListConflict, AuthError, is_loopback,
-                                    load_broker_curve)
+    from fedbus.broker.auth import AllowListConflict, AuthError, is_loopback, load_broker_curve
     from fedbus.broker.broker import Broker, Limits
     from fedbus.broker.log import configure_logging, get_logger
 
