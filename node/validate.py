@@ -191,14 +191,37 @@ def _check_arrays(payload: Any, spec: Mapping[str, Any] | None, max_bytes: int |
 
 
 def _row_norms(a: np.ndarray) -> np.ndarray:
-    """L2 norms along the last axis, in float64 (a float32 square of 1e20 is inf)."""
-    a = np.asarray(a, dtype=np.float64)
+    """L2 norms along the last axis. In the array's own float precision: a square that
+    overflows is inf, and inf is above any bound, which is all a bound needs."""
+    a = np.asarray(a)
+    if a.dtype.kind != "f":
+        a = a.astype(np.float64)
     return np.sqrt(np.einsum("...i,...i->...", a, a)) if a.ndim else np.abs(a)
 
 
 def _sq_norm(a: np.ndarray) -> float:
-    a = np.asarray(a, dtype=np.float64).ravel()
-    return float(a @ a)
+    a = np.asarray(a).ravel()
+    sq = float(np.dot(a, a))
+    if not math.isfinite(sq) and a.dtype != np.float64:  # a float32 overflow: say how far
+        a = a.astype(np.float64)
+        sq = float(np.dot(a, a))
+    return sq
+
+
+def _float_arrays(value: Any, path: str):
+    """(path, array) of the float arrays below value: a payload is arrays and maps of
+    arrays (a weight delta), so no walk is needed but for anything nested deeper."""
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind == "f" and value.size:
+            yield path, value
+    elif isinstance(value, dict) and all(isinstance(v, np.ndarray) for v in value.values()):
+        for k, v in value.items():
+            if v.dtype.kind == "f" and v.size:
+                yield f"{path}.{k}", v
+    else:
+        for p, v in _walk(value, path):
+            if isinstance(v, np.ndarray) and v.dtype.kind == "f" and v.size:
+                yield p, v
 
 
 def check_norms(payload: Mapping[str, Any], norms: Norms | None) -> None:
@@ -207,48 +230,45 @@ def check_norms(payload: Mapping[str, Any], norms: Norms | None) -> None:
     if norms is None:
         return
     rest = 0.0
-    for path, value in _walk(payload):
-        if not isinstance(value, np.ndarray) or value.dtype.kind != "f" or not value.size:
+    for key, top in payload.items():
+        if key in PROTOTYPE_KEYS and isinstance(top, np.ndarray) and top.ndim >= 1:
+            if norms.proto > 0 and top.dtype.kind == "f" and top.size:
+                worst = float(_row_norms(top).max())
+                if not worst <= norms.proto * (1 + 1e-4):
+                    raise Rejected(f"payload.{key} has a prototype of L2 norm {worst:.4g}, "
+                                   f"above the server's bound {norms.proto:.4g}")
             continue
-        key = path.split(".")[1] if path.count(".") == 1 else None
-        if key in PROTOTYPE_KEYS and value.ndim >= 1:
-            if norms.proto > 0:
-                worst = float(_row_norms(value).max())
-                if worst > norms.proto * (1 + 1e-4):
-                    raise Rejected(f"{path} has a prototype of L2 norm {worst:.4g}, above the "
-                                   f"server's bound {norms.proto:.4g}")
-        else:
+        for _, value in _float_arrays(top, f"payload.{key}"):
             rest += _sq_norm(value)
-    if norms.update > 0 and math.sqrt(rest) > norms.update * (1 + 1e-4):
+    if norms.update > 0 and not math.sqrt(rest) <= norms.update * (1 + 1e-4):
         raise Rejected(f"the update's arrays have L2 norm {math.sqrt(rest):.4g}, above the "
                        f"server's bound {norms.update:.4g}")
 
 
 def check_counts(counts: Any, bounds: ClientBounds, num_classes: int,
                  name: str = "counts") -> None:
-    """Per-class counts within the client's own class sizes and, summed, its samples;
-    compared element by element before summing, so nothing can wrap."""
+    """Per-class counts within the client's own class sizes and, summed, its samples; in
+    Python integers, each compared before the sum, so nothing can wrap."""
     if not isinstance(counts, np.ndarray) or not counts.size:
         return
     if counts.dtype.kind not in "iu":
         raise Rejected(f"{name} must be integers, got {counts.dtype}")
     if counts.ndim != 1:
         raise Rejected(f"{name} must be one count per class")
-    if int(counts.min()) < 0:
+    values = counts.tolist()
+    if min(values) < 0:
         raise Rejected(f"{name} must be non-negative")
     units = max(1, int(bounds.units))
-    limit = bounds.class_max(num_classes)
-    if counts.shape[0] == num_classes:
-        over = np.flatnonzero(counts.astype(np.uint64, copy=False) > limit.astype(np.uint64))
-        if over.size:
-            k = int(over[0])
-            raise Rejected(f"{name}[{k}] = {int(counts[k])} is more than the client's "
-                           f"{int(limit[k])} samples of class {k}")
     total_max = bounds.total()
-    if int(counts.max()) > total_max:  # each term fits before the exact sum below
-        raise Rejected(f"{name} holds {int(counts.max())}, more than the client's "
-                       f"{total_max} samples")
-    total = sum(int(x) for x in counts.tolist())
+    if len(values) == num_classes:
+        for k, (n, most) in enumerate(zip(values, bounds.class_max(num_classes).tolist())):
+            if n > most:
+                raise Rejected(f"{name}[{k}] = {n} is more than the client's {most} samples "
+                               f"of class {k}")
+    elif max(values) > total_max:
+        raise Rejected(f"{name} holds {max(values)}, more than the client's {total_max} "
+                       "samples")
+    total = sum(values)
     if total > total_max:
         raise Rejected(f"{name} sum to {total}, more than the client's {int(bounds.samples)} "
                        "samples" + (f" x {units} label pixels" if units > 1 else ""))
