@@ -33,7 +33,7 @@ import numpy as np
 from fedbus.algorithms.base import ClientUpdate, Failure, RoundInfo, ServerHandler, Work
 from fedbus.algorithms.merge import members_of
 from fedbus.node.config import Config
-from fedbus.node.validate import Norms, proto_bound
+from fedbus.node.validate import Norms, canonical_client, run_norms
 
 SERVER = "server"
 # Segmentation runs: at the final evaluation the first MASK_CLIENTS evaluated clients
@@ -50,10 +50,7 @@ def client_address(client: int) -> str:
 def client_index(address: str) -> int:
     """c<int> -> int, in exactly the spelling client_address writes: "c03" and "c3" must not
     name one client twice (a merged update listing both once crashed the server)."""
-    if not isinstance(address, str) or not address.startswith("c") or \
-            not address[1:].isdigit() or address != f"c{int(address[1:])}":
-        raise ValueError(f"not a client address: {address!r}")
-    return int(address[1:])
+    return canonical_client(address)  # (its Rejected is a ValueError)
 
 
 def staleness_weight(staleness: int) -> float:
@@ -903,11 +900,8 @@ class Engine:
 
 def server_norms(cfg: Config, handler: ServerHandler) -> Norms:
     """The norm bounds the server enforces (config [security]; fedbus.node.validate)."""
-    sec, priv = cfg.security, cfg.privacy
-    dim = int(getattr(handler.ctx, "feature_dim", 0) or 0)
-    return Norms(proto=proto_bound(float(sec.max_proto_norm), float(priv.clip_norm),
-                                   float(priv.noise_sigma), dim),
-                 update=float(sec.max_update_norm))
+    return run_norms(cfg.security, cfg.privacy,
+                     int(getattr(handler.ctx, "feature_dim", 0) or 0))
 
 
 def embedding_clients(targets: list[int], most: int) -> list[int]:

@@ -46,7 +46,7 @@ from fedbus.broker.peer import Peer
 from fedbus.broker.wire import BROADCAST, BROKER, SERVER, Message
 from fedbus.node.config import build_config
 from fedbus.node.engine import client_index
-from fedbus.node.validate import Norms, Rejected, check_update, proto_bound
+from fedbus.node.validate import Rejected, check_update, run_norms
 
 log = get_logger("fedbus.relay")
 
@@ -359,11 +359,7 @@ class Relay:
             (len(counts) if isinstance(counts, np.ndarray) and counts.ndim == 1 else 1 << 30)
         protos = body["payload"].get("protos")
         dim = protos.shape[-1] if isinstance(protos, np.ndarray) and protos.ndim else 0
-        sec, priv = self.security, self.privacy
-        norms = Norms(proto=proto_bound(float(sec.get("max_proto_norm", 0.0)),
-                                        float(priv.get("clip_norm", 0.0)),
-                                        float(priv.get("noise_sigma", 0.0)), dim),
-                      update=float(sec.get("max_update_norm", 0.0)))
+        norms = run_norms(self.security, self.privacy, dim)
         try:
             check_update(body, None, num_classes=num_classes,
                          max_samples=int(bound.get("samples", 0)), class_samples=classes,

@@ -367,10 +367,7 @@ class ServerNode:
     def _log(self, direction: str, now: float, frames: list, header: dict | None = None) -> None:
         if self.msglog is None:
             return
-        if self._quiet_refusals:
-            counts, self._quiet_refusals = self._quiet_refusals, {}
-            self.msglog.write("refused", now, [b"", encode_body({"count": counts})],
-                              {"kind": "refused"})
+        self._log_quiet(now)
         self.msglog.write(direction, now, frames, header)
 
     def _log_quiet(self, now: float) -> None:

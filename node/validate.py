@@ -101,6 +101,15 @@ def proto_bound(max_proto_norm: float, clip_norm: float, noise_sigma: float, dim
     return DEFAULT_PROTO_NORM
 
 
+def run_norms(security: Mapping[str, Any], privacy: Mapping[str, Any], dim: int) -> Norms:
+    """The norm bounds of a run's [security] and [privacy] sections for features of `dim`
+    (the server's and a relay's alike)."""
+    return Norms(proto=proto_bound(float(security.get("max_proto_norm", 0.0)),
+                                   float(privacy.get("clip_norm", 0.0)),
+                                   float(privacy.get("noise_sigma", 0.0)), dim),
+                 update=float(security.get("max_update_norm", 0.0)))
+
+
 def _check_number(name: str, value: Any, *, low: float = 0, high: float | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise Rejected(f"{name} must be a number, got {type(value).__name__}")
