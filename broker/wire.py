@@ -95,6 +95,7 @@ KINDS = frozenset(
         "join",
         "leave",
         "config",
+        "secagg",
     }
 )
 

@@ -13,6 +13,8 @@ that names the config key and the problem. What it checks:
   readable JSON of the right shape, its indices in range, no index given to
   two clients, and it holds as many clients as the federation;
 - log.tensorboard: TensorBoard is installed when asked for;
+- [privacy]: secure aggregation and DP are refused, with one line saying why, for an
+  algorithm or mode they cannot serve (fedbus.node.secure_round.privacy_refusal);
 - log.ffd_reference: a run directory whose checkpoint holds a global model of this
   run's architecture, and an algorithm with one global model (fedbus.node.ffd);
 - the networks build on that data (conv nets need images; a weight-averaging
@@ -82,6 +84,12 @@ def check_inputs(cfg: Config) -> None:
     except _INPUT_ERRORS as err:
         key, value = ("model.group", model.group) if model.group else ("model.arch", model.arch)
         raise PreflightError(f"{key} = {value!r}: {err}") from None
+
+    from fedbus.node.secure_round import privacy_refusal
+
+    reason = privacy_refusal(cfg)
+    if reason is not None:
+        raise PreflightError(reason)
 
     if cfg.log.ffd_reference:
         from fedbus.node.ffd import check_reference

@@ -62,6 +62,7 @@ class ClientNode:
         self.peer: Peer | None = None
         self.deferred: list = []  # heap of (due, order, task message, update body)
         self._order = itertools.count()
+        self.secure = None  # fedbus.node.secure_round.SecureClient under secure aggregation
 
     def configure(self, run_id: str, raw: dict[str, Any]) -> None:
         if self.pool is None or run_id != self.run_id:  # else the server re-registered
@@ -88,6 +89,14 @@ class ClientNode:
             self.pool.get(client)
             if self.pool.evictions:
                 break
+        if cfg.privacy.secure_aggregation:
+            from fedbus.algorithms import get_algorithm
+            from fedbus.algorithms.local import resolved_params
+            from fedbus.node.secure_round import SecureClient
+
+            server_cls = get_algorithm(cfg.algorithm.name).server
+            params = resolved_params(server_cls, dict(cfg.algorithm))
+            self.secure = SecureClient(server_cls.merge_rule(params), params)
         if cfg.log.client_messages and self.log_dir is not None:
             self.msglog = MessageLogWriter(self.log_dir / f"messages-{self.name}")
         log.info("configured", run=run_id, algorithm=cfg.algorithm.name, device=str(self.device),
@@ -130,6 +139,8 @@ class ClientNode:
             self._safely(msg, self.on_task)
         elif msg.kind == "eval":
             self._safely(msg, self.on_eval)
+        elif msg.kind == "secagg":
+            self._safely(msg, self.on_secagg)
 
     def _safely(self, msg: Message, fn) -> None:
         try:
@@ -148,9 +159,14 @@ class ClientNode:
         body = msg.body
         client = client_index(msg.dst)
         sim = body.get("sim", {})
-        if sim.get("drop"):
+        secure = self.secure is not None and "secagg" in body
+        stage = sim.get("drop_stage", "task") if sim.get("drop") else None
+        if stage is not None and (stage == "task" or not secure):
             log.info("simulated drop", client=client, task=body["task"])
             return
+        if secure:
+            self._send("secagg", msg, self.secure.begin(msg.dst, body))  # before training
+            self.secure.sessions[msg.dst]["drop"] = stage
         started = time.monotonic()
         update, took = run_task(self.pool.get(client), body)
         bad = non_finite(update["payload"])
@@ -166,13 +182,48 @@ class ClientNode:
             update = copy.deepcopy(update)
             heapq.heappush(self.deferred, (due, next(self._order), msg, update))
         else:
-            self._send("update", msg, update)
+            self._send_update(msg, update)
+
+    def _send_update(self, msg: Message, update: dict[str, Any]) -> None:
+        """Send a trained update: masked first under secure aggregation (held until the
+        round's peers are known), or not at all for a client simulating a drop after its
+        shares (system.drop_stage)."""
+        if self.secure is not None and "secagg" in msg.body:
+            state = self.secure.sessions.get(msg.dst)
+            if state is not None and state.get("drop") == "shares":
+                log.info("simulated drop", client=msg.dst, task=update["task"], stage="shares")
+                self.secure.sessions.pop(msg.dst, None)
+                return
+            update = self.secure.ready(msg.dst, update)
+            if update is None:
+                return  # masked and sent when the peers come
+        self._send("update", msg, update)
+
+    def on_secagg(self, msg: Message) -> None:
+        """The server's secure-aggregation steps: peers (answered with shares), masking
+        (answered with the masked update, once trained), unmask (answered with a reveal)."""
+        step = msg.body.get("step")
+        if step == "peers":
+            self._send("secagg", msg, self.secure.on_peers(msg.dst, msg.body))
+        elif step == "masking":
+            update = self.secure.on_masking(msg.dst, msg.body)
+            if update is not None:
+                self._send("update", msg, update)
+        elif step == "unmask":
+            state = self.secure.sessions.get(msg.dst)
+            if state is not None and state.get("drop") == "input":
+                self.secure.sessions.pop(msg.dst, None)
+                log.info("simulated drop", client=msg.dst, stage="input")
+                return
+            self._send("secagg", msg, self.secure.on_unmask(msg.dst, msg.body))
+        else:
+            log.warning("unknown secagg step: ignored", step=step, client=msg.dst)
 
     def send_due(self) -> float:
         """Send held-back updates whose time has come; seconds until the next."""
         while self.deferred and self.deferred[0][0] <= time.monotonic():
             _, _, msg, update = heapq.heappop(self.deferred)
-            self._send("update", msg, update)
+            self._send_update(msg, update)
         return self.deferred[0][0] - time.monotonic() if self.deferred else 1.0
 
     def on_eval(self, msg: Message) -> None:

@@ -109,6 +109,13 @@ SCHEMA: dict[str, dict[str, Opt]] = {
         "slow_factor": Opt(1.0, "slow clients take this many times longer", min=1.0),
         "drop_prob": Opt(0.0, "probability that a client silently drops a task", min=0.0,
                          max=1.0),
+        "drop_clients": Opt([], "client ids that drop every task they get, besides "
+                            "drop_prob"),
+        "drop_stage": Opt("task", "when a dropping client drops out under secure "
+                          "aggregation: task (on receipt), shares (after sending its keys "
+                          "and shares, before its masked input) or input (after its masked "
+                          "input, before unmasking); without it a drop is on receipt",
+                          ("task", "shares", "input")),
         "partial_work": Opt(False, "clients run F' ~ U[0, F] epochs (FedProx-style)"),
         "partial_fraction": Opt(1.0, "partial_work: each task is partial with this probability "
                                 "(FedProx's stragglers, Michieli & Ozay's delta)",
@@ -119,6 +126,36 @@ SCHEMA: dict[str, dict[str, Opt]] = {
         "noise_sigma": Opt(0.0, "Gaussian noise added to uploaded prototypes (0 = off)",
                            min=0.0),
         "withhold_counts": Opt(False, "upload class presence (0/1) instead of sample counts"),
+        "secure_aggregation": Opt(False, "the server learns only the sum of a round's updates "
+                                  "(SecAgg+, fedbus.node.secagg; sync runs of algorithms "
+                                  "that declare a merge rule)"),
+        "secagg_neighbours": Opt(0, "secure aggregation: peers each client shares its mask "
+                                 "seeds with (0 = auto: every other client of a cohort up "
+                                 "to 20, else the even number >= 3 log2(cohort))", min=0),
+        "secagg_dropout": Opt(0.3, "secure aggregation: the fraction of a client's peers that "
+                              "may drop out after sending their keys and still be recovered "
+                              "(sets the Shamir threshold)", min=0.0, max=0.5),
+        "secagg_range": Opt(65536.0, "secure aggregation: a client's summed values are "
+                            "clipped to [-range, range] before fixed-point encoding",
+                            min=1e-6),
+        "secagg_frac_bits": Opt(16, "secure aggregation: fractional bits of the fixed-point "
+                                "encoding (quantisation step 2^-bits)", min=0, max=40),
+        "secagg_timeout_s": Opt(30.0, "secure aggregation: how long the server waits for "
+                                "keys, shares and the unmasking answers of a round", min=0.1),
+        "dp": Opt("off", "differential privacy with an accountant: record (each training "
+                  "sample's feature clipped, per-class sums and counts noised: prototype "
+                  "algorithms) or client (each weight delta clipped, the sum noised: "
+                  "weight-sharing algorithms); fedbus.node.dp", ("off", "record", "client")),
+        "dp_clip": Opt(1.0, "dp: the L2 clip C of a sample's feature (record) or of a "
+                       "client's update (client)", min=1e-9),
+        "dp_noise_multiplier": Opt(1.0, "dp: Gaussian noise std over the clip (z; the noise "
+                                   "std is z C)", min=1e-6),
+        "delta": Opt(1e-5, "dp: the delta at which epsilon is reported", min=1e-12, max=0.1),
+        "target_epsilon": Opt(0.0, "dp: stop a client's (record) or the run's (client) "
+                              "participation before epsilon passes this (0 = no budget)",
+                              min=0.0),
+        "dp_accountant": Opt("rdp", "dp: the dp-accounting accountant (rdp or pld)",
+                             ("rdp", "pld")),
     },
     "security": {
         "max_proto_norm": Opt(0.0, "the server refuses an uploaded prototype longer than this "

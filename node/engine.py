@@ -173,6 +173,7 @@ class RoundState:
     params_up: int = 0
     params_down: int = 0
     members: frozenset = frozenset()  # the sampled clients as a set: a per-update check
+    secure: Any = None  # fedbus.node.secure_round.SecureRound under secure aggregation
 
     def __post_init__(self) -> None:
         self.members = frozenset(self.sampled)
@@ -263,6 +264,10 @@ class Engine:
         self._bounds: dict[int, dict[str, Any]] = {}
         self.test_sizes: dict[int, int] = {}
         self.norms = server_norms(cfg, handler)
+        # Secure aggregation (fedbus.node.secure_round): the length of the sum form the
+        # clients mask, from the handler's merge rule.
+        self.secure = bool(cfg.privacy.secure_aggregation) and not self.async_mode
+        self.sum_spec: dict[str, Any] | None = None
         self.count_epochs = int(handler.count_epochs())
         # async bookkeeping of the current aggregation window
         self.window = RoundState(0, 0.0, [], 0.0, 0.0)
@@ -348,6 +353,10 @@ class Engine:
                                "drop": bool(self.rng.random() < sys_cfg.drop_prob)
                                if sys_cfg.drop_prob > 0 else False,
                                "epochs_to_run": float(epochs)}
+        if client in sys_cfg.drop_clients:
+            sim["drop"] = True
+        if sim["drop"] and sys_cfg.drop_stage != "task":
+            sim["drop_stage"] = sys_cfg.drop_stage
         # At fraction 1 every task is partial and no extra number is drawn, so runs made
         # before partial_fraction existed keep their random stream.
         if sys_cfg.partial_work and (sys_cfg.partial_fraction >= 1.0
@@ -460,6 +469,9 @@ class Engine:
             if self.round.deadline > 0:
                 times.append(self.round.deadline)
             times.append(self.round.hard_deadline)
+            s = self.round.secure
+            if s is not None and s.phase in ("keys", "shares", "unmask"):
+                times.append(s.deadline)
         times += [ev.deadline for ev in self.evals.values()]
         if not self.started and self.start_time is not None:
             times.append(self.start_time + self.fed.get("start_timeout_s", 60.0))
@@ -479,8 +491,16 @@ class Engine:
             out += self._async_fill(now)
         elif self.round is not None:
             r = self.round
-            if (r.deadline > 0 and now >= r.deadline and len(r.updates) >= self.fed.min_updates) \
-                    or now >= r.hard_deadline:
+            s = r.secure
+            if s is not None and s.phase == "keys" and now >= s.deadline:
+                out += self._secure_peers(now)
+            if s is not None and s.phase == "shares" and now >= s.deadline:
+                out += self._secure_masking(now)
+            if s is not None and s.phase == "unmask":
+                if now >= s.deadline:
+                    out += self._secure_finish(now)
+            elif (r.deadline > 0 and now >= r.deadline
+                  and len(r.updates) >= self.fed.min_updates) or now >= r.hard_deadline:
                 out += self._close_round(now)
         return out + self._progress(now)
 
@@ -501,7 +521,17 @@ class Engine:
             return self._async_fill(now)
         if self.round is None and not self.evals and self.version < self.rounds:
             return self._start_round(now)
-        if self.round is not None and self.round.complete():
+        r = self.round
+        if r is not None and r.secure is not None:
+            if r.secure.phase == "unmask":
+                return []  # the round ends with the survivors' reveals
+            if r.secure.phase == "keys" and all(c in r.secure.keys or c in r.failures
+                                                for c in r.sampled):
+                return self._secure_peers(now) + self._progress(now)
+            if r.secure.phase == "shares" and all(c in r.secure.sharers or c in r.failures
+                                                  for c in r.secure.keys):
+                return self._secure_masking(now) + self._progress(now)
+        if r is not None and r.complete():
             return self._close_round(now)
         return []
 
@@ -551,6 +581,8 @@ class Engine:
         deadline = now + self.fed.deadline_s if self.fed.deadline_s > 0 else 0.0
         hard = now + max(self.fed.hard_deadline_s, self.fed.deadline_s)
         self.round = RoundState(self.version, now, sampled, deadline, hard)
+        if self.secure:
+            self.round.secure = self._secure_round(sampled, now)
         # A relay merges one round's updates once all its tasks are answered, so each task
         # says how many of the round's tasks went to the node hosting its client.
         per_node = Counter(self.host.get(c) for c in sampled)
@@ -558,6 +590,9 @@ class Engine:
         for c in sampled:
             body = self._task_body(c, self.version, now, deadline)
             body["node_tasks"] = per_node[self.host.get(c)]
+            if self.round.secure is not None:
+                body["secagg"] = self.round.secure.task_field()
+                self.round.secure.task_of[c] = body["task"]
             out.append(Out("task", client_address(c), self.version, body))
         self.events.append({"event": "round_start", "round": self.version,
                             "sampled": len(sampled), "live": len(live)})
@@ -578,6 +613,8 @@ class Engine:
         if self.async_mode:
             return self._async_update(upd, nbytes, params, now)
         r = self.round
+        if self.secure:
+            return self._secure_input(upd, [client], body, nbytes, task.round, now)
         if r is not None and task.round == r.round and client in r.members:
             r.updates[client] = upd
             r.count_up(nbytes, params)
@@ -635,6 +672,9 @@ class Engine:
                                         num_samples=int(n), work=Work.from_dict(work),
                                         version=version))
         members.sort(key=lambda u: u.client)
+        if self.secure:
+            return self._secure_input(members, [u.client for u in members], body, nbytes,
+                                      task_round, now)
         entry = ClientUpdate(client=members[0].client, payload=body["payload"],
                              num_samples=sum(u.num_samples for u in members),
                              work=members[0].work, version=version, members=tuple(members))
@@ -708,6 +748,10 @@ class Engine:
     def _close_round(self, now: float) -> list[Out]:
         r = self.round
         assert r is not None
+        if r.secure is not None and r.secure.phase != "done":
+            # the inputs in are the survivors: unmask them first (or finish unmasking)
+            return self._secure_finish(now) if r.secure.phase == "unmask" \
+                else self._secure_unmask(now)
         for c in r.pending():
             r.failures[c] = "late"
         for tid, task in list(self.tasks.items()):
@@ -716,8 +760,12 @@ class Engine:
             elif self.version - task.version > self.fed.max_staleness:
                 self._drop_task(tid)  # too stale to ever count
         in_merged = {m.client for e in r.merged for m in e.members}
-        fresh = [self._weighted(r.updates[c]) for c in sorted(r.updates) if c not in in_merged]
-        fresh += [self._weighted(e) for e in sorted(r.merged, key=lambda e: e.client)]
+        if r.secure is not None:  # the one unmasked sum, or nothing if unmasking failed
+            fresh = [self._weighted(e) for e in r.secure.entries]
+        else:
+            fresh = [self._weighted(r.updates[c]) for c in sorted(r.updates)
+                     if c not in in_merged]
+            fresh += [self._weighted(e) for e in sorted(r.merged, key=lambda e: e.client)]
         folded = [self._weighted(u) for u in self.late
                   if self.version - u.version <= self.fed.max_staleness]
         self.late = []
@@ -727,6 +775,8 @@ class Engine:
         record.update(round=r.round, sampled=len(r.sampled), folded=len(folded),
                       stale=[[u.client, u.version, u.staleness, u.weight] for u in folded],
                       merged=len(r.merged))
+        if r.secure is not None:
+            record["secagg"] = r.secure.record()
         self.round = None
         return self._after_aggregation(record, now)
 
@@ -766,6 +816,264 @@ class Engine:
         if self.async_mode:
             return out
         return out + self._progress(now)
+
+    # --- secure aggregation (fedbus.node.secure_round; PROTOCOL.md §12) ---
+
+    def secure_spec(self) -> dict[str, Any]:
+        """The sum form the clients mask: the handler's merge rule's spec."""
+        if self.sum_spec is None:
+            rule = self.handler.merge_rule()
+            if rule is None:
+                raise ValueError(f"{type(self.handler).__name__} declares no merge rule")
+            self.sum_spec = rule.spec(self.handler)
+        return self.sum_spec
+
+    def _secure_round(self, sampled: list[int], now: float) -> Any:
+        from fedbus.node.secure_round import SecureRound, spec_length
+
+        seed = int(np.random.SeedSequence([self.fed.seed, 0x5ECA6, self.version])
+                   .generate_state(1)[0])
+        return SecureRound(run_id=self.run_id, round_=self.version, sampled=sampled,
+                           privacy=self.cfg.privacy, length=spec_length(self.secure_spec()),
+                           seed=seed, now=now)
+
+    def is_expected_secagg(self, src: str, body: dict[str, Any]) -> str | None:
+        """Why a client's secure-aggregation step must be refused, or None: it answers its
+        task of the round in progress, in the phase that asks for it, once."""
+        from fedbus.node.secure_round import CLIENT_STEPS
+
+        step = body.get("step")
+        if step not in CLIENT_STEPS:
+            return f"step {step!r} is not one of {', '.join(CLIENT_STEPS)}"
+        r = self.round
+        s = r.secure if r is not None else None
+        if s is None:
+            return "no securely aggregated round is in progress"
+        client = client_index(src)
+        if body.get("task") != s.task_of.get(client) or s.task_of.get(client) is None:
+            return f"task {body.get('task')!r} is not {src}'s task of round {r.round}"
+        if step == "keys":
+            if s.phase != "keys" or client in s.keys:
+                return "keys come once, before the round's peers are fixed"
+            if s.task_of[client] not in self.tasks:
+                return f"{src}'s task is over"
+        elif step == "shares":
+            if s.phase != "shares" or client not in s.keys or client in s.sharers:
+                return "shares come once, from a client sent its peers, before masking"
+        elif s.phase != "unmask" or client not in s.survivors or client in s.revealed:
+            return "a reveal comes once, from a survivor asked to unmask"
+        return None
+
+    def secure_input_problem(self, members: list[int], payload: Any) -> str | None:
+        """Why a masked input (one client's, or a relay's sum of several) must be refused,
+        or None. An input for a round no longer masking is late, not refused."""
+        r = self.round
+        s = r.secure if r is not None else None
+        if s is None or s.phase in ("unmask", "done"):
+            return None  # late: the engine drops it
+        if s.phase != "masking":
+            return "a masked input comes after the server's masking step"
+        if not isinstance(payload, dict) or set(payload) != {"masked"}:
+            return "a masked update's payload is {masked: uint8 [L, B]}"
+        packed = payload["masked"]
+        width = s.ring.ring_bits // 8
+        if not isinstance(packed, np.ndarray) or packed.dtype != np.uint8 or \
+                packed.shape != (s.length, width):
+            return f"masked must be uint8 [{s.length}, {width}]"
+        for c in members:
+            if c not in s.sharers:
+                return f"c{c} sent no shares this round"
+            if c in s.inputs:
+                return f"c{c}'s masked input came already"
+        return None
+
+    def on_secagg(self, src: str, body: dict[str, Any], now: float) -> list[Out]:
+        """A client's step (already judged): keys, shares, or a reveal."""
+        from fedbus.node.secagg import SecAggError
+
+        r = self.round
+        assert r is not None and r.secure is not None
+        s, step, client = r.secure, body["step"], client_index(src)
+        try:
+            if step == "keys":
+                s.session.add_keys(client, body.get("c_pk"), body.get("s_pk"))
+                s.keys.add(client)
+                return self._progress(now)
+            if step == "shares":
+                s.session.add_shares(client, _by_client(body.get("shares")))
+                s.sharers.add(client)
+                return self._progress(now)
+            s.session.add_reveal(client, _by_client(body.get("b")), _by_client(body.get("s")))
+            s.revealed.add(client)
+        except (SecAggError, ValueError, TypeError) as err:
+            tid = s.task_of.get(client) if step != "reveal" else None
+            return self.on_refused(Refusal("secagg", src, f"{step}: {err}", r.round,
+                                           task=tid if tid in self.tasks else None,
+                                           answer=False), now)
+        if s.revealed >= s.survivors:
+            return self._secure_finish(now)
+        return []
+
+    def _secure_peers(self, now: float) -> list[Out]:
+        """Keys are in (or their time is up): fix the neighbour graph, send each its peers.
+        A sampled client that sent no keys cannot take part: its task ends."""
+        from fedbus.node.secagg import SecAggError
+
+        r = self.round
+        s = r.secure
+        s.phase, s.deadline = "shares", now + s.timeout
+        self._secure_drop([c for c in r.sampled if c not in s.keys])
+        try:
+            peers = s.session.fix_graph() if s.keys else {}
+        except SecAggError as err:
+            return self._secure_done(now, failed=f"no neighbour graph: {err}")
+        if not peers:
+            return self._secure_done(now, failed="no client sent its keys")
+        out = []
+        for c in sorted(peers):
+            m = peers[c]
+            out.append(Out("secagg", client_address(c), r.round, {
+                "step": "peers", "task": s.task_of[c], "t": int(m["t"]), "ring": m["ring"],
+                "peers": {client_address(v): [pk[0], pk[1]] for v, pk in m["peers"].items()}}))
+        return out
+
+    def _secure_drop(self, clients: list[int]) -> None:
+        """Clients that missed a step cannot take part: their tasks end, as late."""
+        r = self.round
+        for c in clients:
+            if c not in r.failures:
+                r.failures[c] = "late"
+            tid = r.secure.task_of.get(c)
+            if tid in self.tasks:
+                self._drop_task(tid)
+
+    def _secure_masking(self, now: float) -> list[Out]:
+        """Shares are in (or their time is up): tell each client that sent shares which of
+        its peers did, the peers whose pairwise masks its input carries (Bonawitz et al.'s
+        U2): a client that sent keys but no shares cannot spoil the round."""
+        from fedbus.node.secagg import SecAggError
+
+        r = self.round
+        s = r.secure
+        s.phase = "masking"
+        self._secure_drop([c for c in sorted(s.keys) if c not in s.sharers])
+        try:
+            lists = s.session.close_shares() if s.sharers else {}
+        except SecAggError as err:
+            return self._secure_done(now, failed=str(err))
+        if not lists:
+            return self._secure_done(now, failed="no client sent its shares")
+        return [Out("secagg", client_address(c), r.round,
+                    {"step": "masking", "task": s.task_of[c],
+                     "sharers": [client_address(v) for v in lists[c]]})
+                for c in sorted(lists)]
+
+    def _secure_input(self, upd: Any, clients: list[int], body: dict[str, Any], nbytes: int,
+                      task_round: int, now: float) -> list[Out]:
+        """A masked input (an update, or a relay's merged sum of several) of this round's
+        masking phase joins the session; any other is late and dropped (no folding: each
+        late input would need an unmasking of its own)."""
+        r = self.round
+        s = r.secure if r is not None else None
+        params = count_params(body["payload"])
+        self.totals["bytes_up"] += nbytes
+        self.totals["params_up"] += params
+        if s is None or task_round != r.round or s.phase != "masking":
+            self.totals["late_dropped"] += len(clients)
+            self.events.append({"event": "late_dropped", "clients": len(clients),
+                                "secagg": True, "version": self.version})
+            return []
+        s.session.add_input(clients, body["payload"]["masked"])
+        s.inputs.update(clients)
+        s.clipped += sum(int(x) for x in [body.get("clipped", 0)] if isinstance(x, int))
+        members = upd if isinstance(upd, list) else [upd]
+        for u in members:
+            u.payload = {}
+            r.updates[u.client] = u
+        if isinstance(upd, list):
+            r.merged.append(ClientUpdate(client=clients[0], payload={}, num_samples=0,
+                                         work=upd[0].work, version=upd[0].version,
+                                         members=tuple(upd)))
+        r.count_up(nbytes, params)
+        return self._progress(now)
+
+    def _secure_unmask(self, now: float) -> list[Out]:
+        """The round closes: the inputs in are the survivors; ask each to unmask."""
+        from fedbus.node.secagg import SecAggError
+
+        r = self.round
+        s = r.secure
+        for c in r.pending():
+            r.failures[c] = "late"
+        s.phase = "unmask"
+        s.survivors = set(s.inputs)
+        s.unmask_started = now
+        s.deadline = now + s.timeout
+        if not s.survivors:
+            return self._secure_done(now, failed="no masked input arrived")
+        try:
+            asks = s.session.unmask_requests()
+        except SecAggError as err:
+            return self._secure_done(now, failed=str(err))
+        out = []
+        for c in sorted(asks):
+            m = asks[c]
+            out.append(Out("secagg", client_address(c), r.round, {
+                "step": "unmask", "task": s.task_of[c],
+                "survivors": [client_address(v) for v in m["survivors"]],
+                "dropped": [client_address(v) for v in m["dropped"]],
+                "ciphertexts": {client_address(v): ct for v, ct in m["ciphertexts"].items()}}))
+        self.events.append({"event": "secagg_unmask", "round": r.round,
+                            "survivors": len(s.survivors),
+                            "dropped": len(s.sharers - s.inputs)})
+        return out
+
+    def _secure_finish(self, now: float) -> list[Out]:
+        """Every survivor revealed, or the time is up: unmask the sum, check it as the
+        server checks a relay's merged update, hand it to the handler."""
+        from fedbus.node.secagg import SecAggError
+        from fedbus.node.secure_round import unflatten
+        from fedbus.node.validate import Rejected, check_merged
+
+        r = self.round
+        s = r.secure
+        try:
+            form = unflatten(s.session.unmask(), self.secure_spec())
+        except (SecAggError, ValueError) as err:
+            return self._secure_done(now, failed=str(err))
+        members = sorted((r.updates[c] for c in s.survivors), key=lambda u: u.client)
+        body = {"version": self.version, "payload": form,
+                "members": [[client_address(u.client), s.task_of[u.client], u.num_samples,
+                             u.work.to_dict()] for u in members]}
+        try:
+            check_merged(body, self.secure_spec(), max_samples=self.max_samples,
+                         units=self.label_pixels, num_classes=self.handler.ctx.num_classes,
+                         class_samples=self.class_max, norms=self.norms,
+                         count_epochs=self.count_epochs)
+        except Rejected as err:
+            return self._secure_done(now, failed=f"the unmasked sum is refused: {err}")
+        s.entries = [ClientUpdate(client=members[0].client, payload=form,
+                                  num_samples=sum(u.num_samples for u in members),
+                                  work=members[0].work, version=self.version,
+                                  members=tuple(members))]
+        return self._secure_done(now)
+
+    def _secure_done(self, now: float, failed: str | None = None) -> list[Out]:
+        """End the secure part of the round; a failure unmasks nothing: the round
+        aggregates no update, its survivors count as failed, and the next round goes on."""
+        r = self.round
+        s = r.secure
+        s.phase = "done"
+        if failed is not None:
+            s.result = {"failed": failed}
+            for c in s.inputs:
+                r.failures[c] = "secagg"
+                r.updates.pop(c, None)
+            s.entries = []
+            self.events.append({"event": "secagg_failed", "round": r.round, "reason": failed})
+        else:
+            s.result = {"unmask_s": round(now - s.unmask_started, 6)}
+        return self._close_round(now)  # (an input still to come is late: dropped)
 
     # --- async ---
 
@@ -896,6 +1204,14 @@ class Engine:
         self.next_eval_id = int(state["next_eval_id"])
         self.totals.update(state["totals"])
         self.handler.load_state_dict(state["handler"])
+
+
+def _by_client(mapping: Any) -> dict[int, Any]:
+    """A wire map keyed by client address as one keyed by client id (ValueError on a key
+    that is no client address)."""
+    if not isinstance(mapping, dict):
+        raise ValueError(f"expected a map of client addresses, got {type(mapping).__name__}")
+    return {client_index(k): v for k, v in mapping.items()}
 
 
 def server_norms(cfg: Config, handler: ServerHandler) -> Norms:

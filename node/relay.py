@@ -46,6 +46,7 @@ from fedbus.broker.peer import Peer
 from fedbus.broker.wire import BROADCAST, BROKER, SERVER, Message
 from fedbus.node.config import build_config
 from fedbus.node.engine import client_index
+from fedbus.node.secure_round import MaskedSums
 from fedbus.node.validate import Rejected, check_update, run_norms
 
 log = get_logger("fedbus.relay")
@@ -181,7 +182,7 @@ class Relay:
             self.on_config(str(body.get("run", "")), body)
         elif kind == "task" and isinstance(body, dict):
             self.on_task(msg)
-        elif kind in ("eval", "error") and msg.dst != self.name:
+        elif kind in ("eval", "error", "secagg") and msg.dst != self.name:
             self.down.send(kind, msg.dst, body, round=msg.round, encoded=msg.frames[1])
         elif kind == "shutdown":
             self.down.send("shutdown", BROADCAST, body, round=msg.round)
@@ -217,6 +218,8 @@ class Relay:
         # the run's rule: none under an aggregation that is no sum (algorithm.robust)
         rule = server_cls.merge_rule(self.params) \
             if self.merge_enabled and fed.mode == "sync" else None
+        if rule is not None and cfg.privacy.secure_aggregation:
+            rule = MaskedSums()  # the members' inputs are masked: added in the ring
         self.rule = rule
         log.info("configured", run=self.run_id, algorithm=cfg.algorithm.name,
                  merge=rule.name if rule is not None else "none (forwarding updates)")
@@ -256,7 +259,7 @@ class Relay:
                 self._advertise()
         elif kind == "update" and isinstance(body, dict):
             self.on_update(msg)
-        elif kind in ("eval_result", "error") and msg.src != BROKER:
+        elif kind in ("eval_result", "error", "secagg") and msg.src != BROKER:
             if kind == "error" and isinstance(body, dict):
                 self._failed(msg.src)
             self._up_send(kind, body, src=msg.src, round=msg.round)
@@ -353,6 +356,11 @@ class Relay:
         bounds its task carried: fedbus.node.validate), or None."""
         if not isinstance(bound, dict) or not isinstance(body.get("payload"), dict):
             return "no bound from the server for this task, or no payload"
+        if isinstance(self.rule, MaskedSums):  # nothing to check in a masked vector but its
+            n = body.get("num_samples")      # shape (MaskedSums.lift) and the header
+            ok = isinstance(n, int) and not isinstance(n, bool) and \
+                0 <= n <= int(bound.get("samples", 0))
+            return None if ok else f"num_samples {n!r} is out of range"
         classes = bound.get("classes")
         counts = body["payload"].get("counts")
         num_classes = len(classes) if isinstance(classes, list) else \

@@ -17,16 +17,17 @@ from typing import Any
 import torch
 
 from fedbus.algorithms import get_algorithm
-from fedbus.algorithms.base import ServerContext, ServerHandler
+from fedbus.algorithms.base import ServerContext, ServerHandler, Work
 from fedbus.broker.log import get_logger
 from fedbus.broker.peer import Peer
 from fedbus.broker.wire import BROKER, Message, decode_body, encode_body
 from fedbus.models import describe_group
-from fedbus.node.config import Config
+from fedbus.node.config import Config, ConfigError
 from fedbus.node.engine import (SERVER, Engine, Out, Refusal, client_address, client_index,
                                 count_params)
 from fedbus.node.msglog import MessageLogWriter
 from fedbus.node.rundir import RunDir, atomic_write, summarise
+from fedbus.node.secure_round import privacy_refusal
 from fedbus.node.setup import (arch_builder, check_models, distinct_archs, federated_data,
                                make_model, pooled_train)
 from fedbus.node.validate import Rejected, check_eval_result, check_merged, check_update
@@ -51,6 +52,9 @@ def build_handler(cfg: Config) -> ServerHandler:
 
 
 def build_engine(cfg: Config, run_id: str) -> Engine:
+    reason = privacy_refusal(cfg)  # (a server started by hand skips the launcher's preflight)
+    if reason is not None:
+        raise ConfigError(reason)
     data = federated_data(cfg)
     n = cfg.federation.clients
     sizes = {i: len(data.parts[i].train) for i in range(n)}
@@ -99,6 +103,13 @@ def _judge(engine: Engine, msg: Message) -> Refusal | None:
         if reason is not None:
             return refuse(reason)
         client = client_index(src)
+        if engine.secure:  # a masked input: its shape and sender; the sum is checked whole
+            reason = engine.secure_input_problem([client], body.get("payload"))
+            n = body.get("num_samples")
+            if reason is None and (isinstance(n, bool) or not isinstance(n, int) or
+                                   not 0 <= n <= engine.max_samples(client)):
+                reason = f"num_samples {n!r} is not within 0..{engine.max_samples(client)}"
+            return None if reason is None else refuse(reason, task=body["task"])
         try:
             check_update(body, engine.handler.update_spec(),
                          num_classes=engine.handler.ctx.num_classes,
@@ -112,6 +123,14 @@ def _judge(engine: Engine, msg: Message) -> Refusal | None:
         return None
     if kind == "merged":
         return _judge_merged(engine, msg, refuse)
+    if kind == "secagg":
+        if not isinstance(body, dict):
+            return refuse("a secagg body must be a map")
+        try:
+            reason = engine.is_expected_secagg(src, body)
+        except ValueError:
+            reason = f"sender {src!r} is not a client"
+        return None if reason is None else refuse(reason)
     if kind == "config":
         if not isinstance(body, dict) or body.get("run") != engine.run_id:
             return refuse("a config acknowledgement must name this run")
@@ -158,6 +177,11 @@ def _judge_merged(engine: Engine, msg: Message, refuse) -> Refusal | None:
     body: Any = msg.body
     rule = engine.handler.merge_rule()
     try:
+        if engine.secure:
+            reason = _secure_merged_problem(engine, msg)
+            if reason is None:
+                return None
+            raise Rejected(reason)
         if rule is None:
             raise Rejected(f"{type(engine.handler).__name__} declares no merge rule")
         check_merged(body, rule.spec(engine.handler), max_samples=engine.max_samples,
@@ -184,6 +208,37 @@ def _judge_merged(engine: Engine, msg: Message, refuse) -> Refusal | None:
             if client in hosted and [m[0], m[1]] not in tasks and len(tasks) < len(hosted):
                 tasks.append([m[0], m[1]])
     return refuse(reason, tasks=tasks)
+
+
+def _secure_merged_problem(engine: Engine, msg: Message) -> str | None:
+    """Why a relay's sum of masked inputs must be refused, or None: the members' part as
+    for any merged update, the payload one masked vector of the round's shape."""
+    body: Any = msg.body
+    if not isinstance(body, dict) or not isinstance(body.get("members"), list) or \
+            not body["members"]:
+        return "merged body must be a map with a non-empty member list"
+    members = body["members"]
+    if len(members) > len(engine.nodes.get(msg.src, ())):
+        return "more members than the sender hosts"
+    clients, seen = [], set()
+    for i, m in enumerate(members):
+        if not isinstance(m, list) or len(m) != 4 or not isinstance(m[0], str):
+            return f"members[{i}] must be [client, task, num_samples, work]"
+        client = client_index(m[0])
+        n = m[2]
+        if client in seen:
+            return f"{m[0]} is listed twice"
+        seen.add(client)
+        if isinstance(n, bool) or not isinstance(n, int) or \
+                not 0 <= n <= engine.max_samples(client):
+            return f"members[{i}] num_samples {n!r} is out of range"
+        try:
+            Work.from_dict(m[3])
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return f"members[{i}] work is malformed"
+        clients.append(client)
+    return engine.is_expected_merged(msg.src, body, run=msg.run, round=msg.round) or \
+        engine.secure_input_problem(clients, body.get("payload"))
 
 
 def config_sender(engine: Engine, src: str) -> str | None:
@@ -220,6 +275,8 @@ def apply(engine: Engine, msg: Message, now: float) -> list[Out]:
         return engine.on_task_failed(msg.src, body.get("task"), now)
     if kind == "eval_result":
         return engine.on_eval_result(msg.src, body, now)
+    if kind == "secagg":
+        return engine.on_secagg(msg.src, body, now)
     return []
 
 

@@ -1,0 +1,320 @@
+"""Secure aggregation inside the engine's sync rounds (`privacy.secure_aggregation`).
+
+fedbus.node.secagg holds the cryptography (SecAgg+: keys, shares, masks, unmasking); this
+module holds what the engine needs around it for one round, and the one sum form a client
+masks. The server learns only the sum, over the round's surviving clients, of the sum form
+its algorithm declares (fedbus.algorithms.merge: prototype sums and class masses for
+FedProto, sample-weighted weight deltas and the sample total for FedAvg/FedProx), the sum
+a relay pre-adds in the clear when secure aggregation is off.
+
+A round, message by message (kind "secagg", its body's "step"; PROTOCOL.md §12):
+
+1. task (server -> client) carries "secagg": {context, ring, length}; the client answers
+   at once with step "keys" (two X25519 public keys), then trains.
+2. When every sampled client sent keys, failed, or `secagg_timeout_s` passed, the server
+   fixes the SecAgg+ neighbour graph over the key senders and sends each step "peers".
+3. The client answers "shares" (its mask seeds' Shamir shares, encrypted to each peer).
+   When every peered client sent shares (or the time is up), the server sends each
+   "masking": which of its peers sent shares (their pairwise masks are the ones its input
+   may carry). The client, once trained, sends an ordinary "update" whose payload is
+   {"masked": uint8 [L, B]}: its sum form, flattened, fixed-point encoded and masked.
+   Relays add masked vectors mod 2^bits.
+4. When the round closes (every client answered or failed, or the deadline), the inputs
+   that arrived are the survivors; each is sent "unmask" (who survived, who dropped, the
+   share ciphertexts addressed to it) and answers "reveal".
+5. When every survivor revealed, or `secagg_timeout_s` passed, the server reconstructs the
+   survivors' self masks and the dropped clients' pairwise masks, and the decoded sum goes
+   to the handler as one merged update of the survivors. If a secret lacks its threshold of
+   shares, nothing is unmasked: the round ends with no updates and a record saying why.
+
+What stays in the clear: who took part, each client's sample total and work report (the
+update's header fields, as the server's validation and records need them), timing. A late
+masked input is dropped (federation.late = fold is refused): folding it would need an
+unmasking of its own.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+#: the steps of kind "secagg" a client sends, and those the server sends
+CLIENT_STEPS = ("keys", "shares", "reveal")
+SERVER_STEPS = ("peers", "masking", "unmask")
+
+#: algorithms whose server step needs each client's update on its own: one line each
+NEEDS_EACH_UPDATE = {
+    "mpfedcl": "MP-FedCL's server keeps every client's prototypes in its pool (eq. 8)",
+    "proto-attention": "proto-attention weighs each client's prototypes by attention",
+    "fedtgp": "FedTGP's server trains its generator on each client's prototypes",
+    "fedgh": "FedGH's server trains the global head on each client's prototypes",
+}
+
+
+def flatten(form: Mapping[str, Any]) -> np.ndarray:
+    """A sum form as one float64 vector, its arrays in sorted-key order (nested maps too):
+    the order `unflatten` reads back with the server's spec."""
+    parts = []
+    for key in sorted(form):
+        v = form[key]
+        parts.append(flatten(v) if isinstance(v, Mapping) else
+                     np.asarray(v, dtype=np.float64).reshape(-1))
+    return np.concatenate(parts) if parts else np.zeros(0)
+
+
+def spec_length(spec: Mapping[str, Any]) -> int:
+    """Elements of a sum form of this spec (rule.spec: name -> (dtype, shape) or a map)."""
+    total = 0
+    for v in spec.values():
+        if isinstance(v, Mapping):
+            total += spec_length(v)
+        else:
+            shape = v[1]
+            if any(d is None for d in shape):
+                raise ValueError(f"a secure sum needs fixed shapes, got {shape}")
+            total += int(np.prod(shape, dtype=np.int64))
+    return total
+
+
+def unflatten(vector: np.ndarray, spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The inverse of flatten, shaped by the spec."""
+    out, at = _unflatten(np.asarray(vector, dtype=np.float64), spec, 0)
+    if at != len(vector):
+        raise ValueError(f"a sum of {len(vector)} values does not fit a spec of {at}")
+    return out
+
+
+def _unflatten(vector: np.ndarray, spec: Mapping[str, Any], at: int) -> tuple[dict, int]:
+    out: dict[str, Any] = {}
+    for key in sorted(spec):
+        v = spec[key]
+        if isinstance(v, Mapping):
+            out[key], at = _unflatten(vector, v, at)
+        else:
+            shape = tuple(int(d) for d in v[1])
+            n = int(np.prod(shape, dtype=np.int64))
+            out[key] = vector[at:at + n].reshape(shape)
+            at += n
+    return out, at
+
+
+def secagg_refusal(cfg: Any) -> str | None:
+    """One line on why this run cannot use secure aggregation, or None (also when it is
+    off). Checked at preflight and when the server starts."""
+    from fedbus.algorithms import get_algorithm
+    from fedbus.algorithms.local import resolved_params
+    from fedbus.algorithms.merge import DeltaSumsAndPool
+
+    if not cfg.privacy.secure_aggregation:
+        return None
+    name = cfg.algorithm.name
+    if cfg.federation.mode != "sync":
+        return ("privacy.secure_aggregation: async runs aggregate a buffer of updates made "
+                "from different versions, each weighed by its staleness; secure aggregation "
+                "sums one round's cohort (set federation.mode = sync)")
+    if cfg.federation.late == "fold":
+        return ("privacy.secure_aggregation: federation.late = fold needs each late update "
+                "unmasked on its own; secure aggregation drops late updates (set late = drop)")
+    if name in NEEDS_EACH_UPDATE:
+        return f"privacy.secure_aggregation: {NEEDS_EACH_UPDATE[name]}, not only their sum"
+    server_cls = get_algorithm(name).server
+    params = resolved_params(server_cls, dict(cfg.algorithm))
+    rule = server_cls.merge_rule(params)
+    if isinstance(rule, DeltaSumsAndPool):
+        return (f"privacy.secure_aggregation: {name}'s server needs each client's prototypes "
+                "beside the summed weights")
+    if rule is None:
+        why = "its robust rule (algorithm.robust) needs every update apart" \
+            if server_cls.__dict__.get("MERGE") is not None else \
+            "it declares no sum its server step is made of (ServerHandler.MERGE)"
+        return f"privacy.secure_aggregation: {name} cannot aggregate a sum only: {why}"
+    return None
+
+
+class SecureRound:
+    """The engine's state of one securely aggregated round around a secagg.ServerSession:
+    its phase, its deadlines, the survivors' task answers. Deterministic in its inputs
+    (the graph's seed is the server's), so a replay of the message log redoes it."""
+
+    def __init__(self, *, run_id: str, round_: int, sampled: list[int], privacy: Mapping,
+                 length: int, seed: int, now: float):
+        from fedbus.node import secagg
+
+        self.context = f"fedbus-secagg/{run_id}/{round_}"
+        self.ring = secagg.RingParams.for_cohort(float(privacy["secagg_range"]),
+                                                 int(privacy["secagg_frac_bits"]),
+                                                 len(sampled))
+        self.length = int(length)
+        self.timeout = float(privacy["secagg_timeout_s"])
+        self.session = secagg.ServerSession(
+            sampled, self.context.encode(),
+            neighbours=secagg.neighbour_count(len(sampled), int(privacy["secagg_neighbours"])),
+            dropout=float(privacy["secagg_dropout"]), ring=self.ring, seed=seed)
+        self.phase = "keys"  # keys -> shares -> masking -> unmask -> done
+        self.deadline = now + self.timeout  # of the current phase (keys, shares, unmask)
+        self.keys: set[int] = set()
+        self.sharers: set[int] = set()
+        self.inputs: set[int] = set()
+        self.survivors: set[int] = set()
+        self.revealed: set[int] = set()
+        self.task_of: dict[int, int] = {}  # client -> its task of this round
+        self.clipped = 0
+        self.entries: list[Any] = []  # the unmasked sum as one merged ClientUpdate
+        self.unmask_started = 0.0
+        self.result: dict[str, Any] = {}
+
+    def task_field(self) -> dict[str, Any]:
+        """What a task carries for the client's ClientSession and its masking."""
+        return {"context": self.context, "ring": self.ring.to_dict(), "length": self.length}
+
+    def record(self) -> dict[str, Any]:
+        """The round record's "secagg" entry."""
+        stats = self.session.stats()
+        return {"survivors": len(self.survivors), "dropped": len(self.sharers - self.inputs),
+                "keys": len(self.keys), "t": stats.get("t"),
+                "neighbours": stats.get("neighbours"), "ring_bits": self.ring.ring_bits,
+                "frac_bits": self.ring.frac_bits, "clipped": self.clipped,
+                "quant_bound": float(stats.get("quant_bound", 0.0)), **self.result}
+
+
+class SecureClient:
+    """A client node's side: one secagg.ClientSession per client address with a task of a
+    securely aggregated round. The node calls `begin` on the task (its answer, the keys,
+    goes out before training), `ready` when the update is trained (None while the peers
+    are not known: the update waits), `on_peers` and `on_unmask` on the server's steps."""
+
+    def __init__(self, rule: Any, params: Mapping[str, Any]):
+        self.rule, self.params = rule, params
+        self.sessions: dict[str, dict[str, Any]] = {}
+
+    def begin(self, address: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        from fedbus.node import secagg
+
+        field = body["secagg"]
+        session = secagg.ClientSession(int(address[1:]), str(field["context"]).encode())
+        self.sessions[address] = {"session": session, "task": body["task"],
+                                  "client": int(address[1:]),
+                                  "length": int(field["length"]), "sharers": None,
+                                  "update": None}
+        keys = session.public_keys()
+        return {"step": "keys", "task": body["task"], "c_pk": keys["c_pk"],
+                "s_pk": keys["s_pk"]}
+
+    def ready(self, address: str, update: dict[str, Any]) -> dict[str, Any] | None:
+        """The trained update -> the masked update to send, or None (held for the peers)."""
+        state = self.sessions.get(address)
+        if state is None or state["task"] != update.get("task"):
+            return update  # (no secure round for it)
+        state["update"] = update
+        return self._masked(state) if state["sharers"] is not None else None
+
+    def on_peers(self, address: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """The server's peers -> the shares step."""
+        from fedbus.node import secagg
+
+        state = self._state(address, body)
+        peers = {int(a[1:]): (bytes(pk[0]), bytes(pk[1])) for a, pk in body["peers"].items()}
+        cts = state["session"].on_peers(peers, int(body["t"]),
+                                        secagg.RingParams.from_dict(body["ring"]))
+        return {"step": "shares", "task": state["task"],
+                "shares": {f"c{v}": ct for v, ct in cts.items()}}
+
+    def on_masking(self, address: str, body: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The server's list of peers that sent shares -> the masked update, if trained
+        (else it is masked when `ready`)."""
+        state = self._state(address, body)
+        state["sharers"] = [int(a[1:]) for a in body["sharers"]]
+        return self._masked(state) if state["update"] is not None else None
+
+    def on_unmask(self, address: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        state = self._state(address, body)
+        reveal = state["session"].on_unmask(
+            [int(a[1:]) for a in body["survivors"]], [int(a[1:]) for a in body["dropped"]],
+            {int(a[1:]): bytes(ct) for a, ct in body["ciphertexts"].items()})
+        del self.sessions[address]  # the round is over for this client
+        return {"step": "reveal", "task": state["task"],
+                "b": {f"c{v}": s for v, s in reveal["b"].items()},
+                "s": {f"c{v}": s for v, s in reveal["s"].items()}}
+
+    def _state(self, address: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        state = self.sessions.get(address)
+        if state is None or state["task"] != body.get("task"):
+            raise ValueError(f"{address} has no secure round for task {body.get('task')!r}")
+        return state
+
+    def _masked(self, state: dict[str, Any]) -> dict[str, Any]:
+        from fedbus.algorithms.base import Work
+
+        update = state.pop("update")
+        state["update"] = None
+        form = self.rule.lift(update["payload"], int(update["num_samples"]),
+                              Work.from_dict(update["work"]), self.params, state["client"])
+        # a rule that keeps an update apart (FedAvg's dropped partial work) adds nothing
+        vector = flatten(form) if form is not None else np.zeros(state["length"])
+        if len(vector) != state["length"]:
+            raise ValueError(f"the sum form has {len(vector)} values, the round "
+                             f"{state['length']}")
+        packed, clipped = state["session"].mask(vector, state["sharers"])
+        return {**update, "payload": {"masked": packed}, "clipped": int(clipped)}
+
+
+class MaskedSums:
+    """A relay's merge under secure aggregation: masked inputs added in the ring, so the
+    relay learns nothing and the server unmasks the sum of its members with the rest
+    (the masks cancel in the total, wherever it was added). A MergeRule in shape."""
+
+    name = "masked-sums"
+
+    def lift(self, payload: Mapping[str, Any], num_samples: int, work: Any,
+             params: Mapping[str, Any], client: int = -1) -> dict[str, Any] | None:
+        packed = payload.get("masked") if isinstance(payload, Mapping) else None
+        if not isinstance(packed, np.ndarray) or packed.dtype != np.uint8 or \
+                packed.ndim != 2 or packed.shape[1] not in (4, 5, 6, 7, 8):
+            raise ValueError("a masked update's payload is {masked: uint8 [L, B]}")
+        return {"masked": packed}
+
+    def add(self, into: dict[str, Any] | None, part: Mapping[str, Any]) -> dict[str, Any]:
+        from fedbus.node.secagg import add_packed
+
+        if into is not None and into["masked"].shape != part["masked"].shape:
+            raise ValueError(f"masked inputs differ in shape: {into['masked'].shape} "
+                             f"against {part['masked'].shape}")
+        bits = part["masked"].shape[1] * 8
+        return {"masked": add_packed(None if into is None else into["masked"],
+                                     part["masked"], bits)}
+
+    def grows_by(self, form: Mapping[str, Any]) -> int:
+        return 0
+
+
+def privacy_refusal(cfg: Any) -> str | None:
+    """One line on why the run's [privacy] options cannot be used, or None: secure
+    aggregation's conditions (secagg_refusal), its ring (range x cohort x 2^frac_bits must
+    fit 64 bits), and the DP mechanism's (fedbus.node.dp.dp_refusal)."""
+    reason = secagg_refusal(cfg)
+    if reason is not None:
+        return reason
+    privacy = cfg.privacy
+    if privacy.secure_aggregation:
+        from fedbus.node.secagg import RingParams, SecAggError
+
+        try:
+            RingParams.for_cohort(float(privacy.secagg_range), int(privacy.secagg_frac_bits),
+                                  int(cfg.federation.clients))
+        except SecAggError as err:
+            return (f"privacy.secagg_range = {privacy.secagg_range} with secagg_frac_bits = "
+                    f"{privacy.secagg_frac_bits}: {err}")
+    if privacy.dp != "off":
+        from fedbus.algorithms import get_algorithm
+        from fedbus.node.dp import dp_refusal
+
+        reason = dp_refusal(get_algorithm(cfg.algorithm.name).server, privacy.dp)
+        if reason is None and cfg.federation.mode != "sync":
+            reason = (f"privacy.dp = {privacy.dp}: the accountant composes sync rounds; "
+                      "set federation.mode = sync")
+        if reason is None and (privacy.clip_norm > 0 or privacy.noise_sigma > 0):
+            reason = ("privacy.dp replaces the unaccounted clip_norm / noise_sigma: set "
+                      "those to 0")
+        return reason
+    return None
