@@ -1009,8 +1009,9 @@ class Engine:
         s.survivors = set(s.inputs)
         s.unmask_started = now
         s.deadline = now + s.timeout
-        if not s.survivors:
-            return self._secure_done(now, failed="no masked input arrived")
+        if len(s.survivors) < 2:  # the "sum" of one input is that input
+            return self._secure_done(now, failed=f"{len(s.survivors)} masked input(s) "
+                                     "arrived: a sum needs two at least")
         try:
             asks = s.session.unmask_requests()
         except SecAggError as err:

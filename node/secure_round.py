@@ -34,6 +34,7 @@ unmasking of its own.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -116,6 +117,12 @@ def secagg_refusal(cfg: Any) -> str | None:
     if cfg.federation.late == "fold":
         return ("privacy.secure_aggregation: federation.late = fold needs each late update "
                 "unmasked on its own; secure aggregation drops late updates (set late = drop)")
+    fed = cfg.federation
+    cohort = max(fed.min_clients, math.ceil(fed.fraction * fed.clients))
+    if min(cohort, fed.clients) < 2:
+        return (f"privacy.secure_aggregation: a round's cohort of {min(cohort, fed.clients)} "
+                "client would reveal its input as the sum (raise federation.fraction or "
+                "min_clients)")
     if name in NEEDS_EACH_UPDATE:
         return f"privacy.secure_aggregation: {NEEDS_EACH_UPDATE[name]}, not only their sum"
     server_cls = get_algorithm(name).server

@@ -251,3 +251,76 @@ def test_what_secure_aggregation_cannot_serve_is_refused_with_one_line(sections,
     raw["privacy"] = {"secure_aggregation": True, **sections.get("privacy", {})}
     reason = privacy_refusal(build_config(raw))
     assert reason is not None and words in reason and "\n" not in reason
+
+
+# --- real processes: broker, server, nodes, relays on loopback ---
+
+def _arrays_of(run) -> dict:
+    from fedbus.broker.wire import decode_body
+
+    raw = (run / "checkpoint.fbk").read_bytes()
+    state = decode_body(raw, max_frame=len(raw))["handler"]
+    if "protos" in state:
+        return {"protos": np.asarray(state["protos"], dtype=np.float64)}
+    return {k: np.asarray(v, dtype=np.float64) for k, v in state["weights"].items()}
+
+
+@pytest.mark.parametrize("algorithm", ["fedproto", "fedavg"])
+def test_two_relays_with_secure_aggregation_give_the_flat_plain_global_state(tmp_path,
+                                                                             algorithm):
+    from tests.helpers import merged, metrics
+    from tests.test_relay import EQUIV, _federation, _finish
+
+    runs = {}
+    for name, relays, secure in (("flat", False, False), ("secure", True, True)):
+        sections = merged(EQUIV, algorithm={"name": algorithm},
+                          privacy={"secure_aggregation": secure})
+        run, procs = _federation(tmp_path, sections, relays=relays, name=name)
+        try:
+            _finish(run, procs, name)
+        finally:
+            procs.close()
+        runs[name] = run
+    flat, secure = _arrays_of(runs["flat"]), _arrays_of(runs["secure"])
+    recs = metrics(runs["secure"])
+    assert len(recs) == 3
+    for r, f in zip(recs, metrics(runs["flat"])):
+        # every client's masked input went up inside its relay's one merged update
+        assert r["participants"] == f["participants"] == list(range(6))
+        assert r["merged"] == 2 and r["messages_up"] == 2
+        assert r["secagg"]["survivors"] == 6 and r["secagg"].get("failed") is None
+        assert r["acc_mean"] == pytest.approx(f["acc_mean"], abs=0.02)
+    # three rounds of training from sums off by at most quant_bound each round
+    for k in flat:
+        np.testing.assert_allclose(secure[k], flat[k], rtol=0, atol=1e-3, err_msg=k)
+
+
+def test_a_client_gone_after_its_masked_input_is_recovered_and_replay_is_identical(tmp_path):
+    from fedbus.broker.wire import decode
+    from fedbus.node.msglog import read_log
+    from tests.helpers import SMALL, fedbus, merged, metrics, run_federation
+
+    sections = merged(SMALL, algorithm={"name": "fedproto"},
+                      federation={"clients": 6, "rounds": 2},
+                      system={"drop_clients": [2], "drop_stage": "input"},
+                      privacy={"secure_aggregation": True, "secagg_timeout_s": 2.0})
+    run, summary = run_federation(tmp_path, sections)
+    assert summary["rounds_completed"] == 2
+    for r in metrics(run):
+        # c2 sent its masked input and never answered the unmasking: the other five's
+        # shares of its self mask recovered its input, which counts in the sum
+        assert r["secagg"].get("failed") is None, r["secagg"]
+        assert r["secagg"]["survivors"] == 6 and 2 in r["participants"]
+    # what the server held: masked integers only, never a client's prototypes
+    kinds = set()
+    for rec in read_log(run):
+        if rec.direction != "in" or len(rec.frames) < 2:
+            continue
+        msg = decode(rec.frames, max_frame=max(len(f) for f in rec.frames) + 1)
+        kinds.add(msg.kind)
+        if msg.kind == "update":
+            assert set(msg.body["payload"]) == {"masked"}
+            assert msg.body["payload"]["masked"].dtype == np.uint8
+    assert {"update", "secagg"} <= kinds
+    out = fedbus("replay", str(run), timeout=240)
+    assert "replay identical" in out.stdout, out.stdout + out.stderr
