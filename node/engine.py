@@ -331,6 +331,8 @@ class Engine:
         """The shell reports what a sent task or eval weighed on the wire."""
         self.totals["bytes_down"] += nbytes
         self.totals["params_down"] += params
+        if out.kind == "secagg" and self.round is not None and self.round.secure is not None:
+            self.round.secure.bytes_down += nbytes
         if out.kind != "task":
             return
         window = self.round if self.round is not None else self.window
@@ -887,13 +889,16 @@ class Engine:
                 return f"c{c}'s masked input came already"
         return None
 
-    def on_secagg(self, src: str, body: dict[str, Any], now: float) -> list[Out]:
+    def on_secagg(self, src: str, body: dict[str, Any], now: float,
+                  nbytes: int = 0) -> list[Out]:
         """A client's step (already judged): keys, shares, or a reveal."""
         from fedbus.node.secagg import SecAggError
 
         r = self.round
         assert r is not None and r.secure is not None
         s, step, client = r.secure, body["step"], client_index(src)
+        s.bytes_up += nbytes
+        self.totals["bytes_up"] += nbytes
         try:
             if step == "keys":
                 s.session.add_keys(client, body.get("c_pk"), body.get("s_pk"))

@@ -132,7 +132,7 @@ def replay_server(run_dir: str | Path, *, until_round: int | None = None) -> Rep
             div = _compare(out, rec, m)
             if div:
                 return ReplayResult(count, engine.version, div, engine)
-            if out.kind in ("task", "eval"):
+            if out.kind in ("task", "eval", "secagg"):
                 engine.note_sent(out, rec.nbytes, count_params(out.body.get("payload")))
             continue
         if pending and rec.direction != "resume":

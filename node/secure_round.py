@@ -167,6 +167,7 @@ class SecureRound:
         self.revealed: set[int] = set()
         self.task_of: dict[int, int] = {}  # client -> its task of this round
         self.clipped = 0
+        self.bytes_up = self.bytes_down = 0  # of the steps (the masked inputs are updates)
         self.entries: list[Any] = []  # the unmasked sum as one merged ClientUpdate
         self.unmask_started = 0.0
         self.result: dict[str, Any] = {}
@@ -182,7 +183,8 @@ class SecureRound:
                 "keys": len(self.keys), "t": stats.get("t"),
                 "neighbours": stats.get("neighbours"), "ring_bits": self.ring.ring_bits,
                 "frac_bits": self.ring.frac_bits, "clipped": self.clipped,
-                "quant_bound": float(stats.get("quant_bound", 0.0)), **self.result}
+                "quant_bound": float(stats.get("quant_bound", 0.0)),
+                "bytes_up": self.bytes_up, "bytes_down": self.bytes_down, **self.result}
 
 
 class SecureClient:

@@ -276,7 +276,7 @@ def apply(engine: Engine, msg: Message, now: float) -> list[Out]:
     if kind == "eval_result":
         return engine.on_eval_result(msg.src, body, now)
     if kind == "secagg":
-        return engine.on_secagg(msg.src, body, now)
+        return engine.on_secagg(msg.src, body, now, msg.nbytes)
     return []
 
 
@@ -448,7 +448,7 @@ class ServerNode:
             msg = peer.send(out.kind, out.dst, out.body, round=out.round)
             if out.kind != "error":  # answers to refusals: a replay makes them, unlogged
                 self._log("out", time.time(), msg.frames, _header(msg))
-            if out.kind in ("task", "eval"):
+            if out.kind in ("task", "eval", "secagg"):
                 self.engine.note_sent(out, msg.nbytes, count_params(out.body.get("payload")))
 
     def _record(self, version_before: int) -> None:
