@@ -136,6 +136,11 @@ class ServerHandler:
     needs_same_model: ClassVar[bool] = False  # weight averaging needs one architecture
     # Sharing the head alone (LG-FedAvg, FedGH) needs one head shape across a model group.
     needs_same_head: ClassVar[bool] = False
+    # The [privacy] dp mechanisms this algorithm's uploads admit: record = its upload is
+    # prototypes and counts only (fedbus.node.dp.dp_prototypes replaces them), client = its
+    # upload is a weight delta summed by DeltaSums. Read from the class itself, not
+    # inherited (fedbus.node.dp.dp_levels): a subclass whose upload differs admits nothing.
+    DP_LEVELS: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, ctx: ServerContext):
         self.ctx = ctx

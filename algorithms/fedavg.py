@@ -76,6 +76,9 @@ class FedAvgServer(Robust, Params, ServerHandler):
     # Algorithm 1's weighted mean is a sum: a relay pre-aggregates it (algorithms.merge),
     # unless a robust rule replaces it (merge_rule() is then None)
     MERGE = DeltaSums()
+    # the upload is {delta} summed by DeltaSums: client-level DP (not inherited: subclasses
+    # that upload more, or aggregate otherwise, declare their own)
+    DP_LEVELS: ClassVar[tuple[str, ...]] = ("client",)
 
     def __init__(self, ctx):
         super().__init__(ctx)

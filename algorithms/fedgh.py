@@ -137,6 +137,8 @@ def score_both_heads(ctx, header: Mapping[str, Any], eval_global: bool) -> dict[
 
 class FedGHServer(Params, ServerHandler):
     needs_same_head: ClassVar[bool] = True  # the header is shared across the group
+    # the upload is {protos (LARs), counts} only (either `protos` source): record-level DP
+    DP_LEVELS: ClassVar[tuple[str, ...]] = ("record",)
     PARAMS: ClassVar[dict[str, Any]] = {
         "server_epochs": opt(1, "passes over the received LARs per aggregation (authors' code: "
                              "1; HtFLlib: 100)", min=0),

@@ -147,6 +147,8 @@ class FedProtoServer(Robust, Params, ServerHandler):
     # eq. 6 is a per-class weighted sum: a relay pre-aggregates it (fedbus.algorithms.merge),
     # unless a robust rule replaces it (merge_rule() is then None)
     MERGE = PrototypeSums()
+    # the upload is {protos, counts} only (either proto_source): record-level DP replaces it
+    DP_LEVELS: ClassVar[tuple[str, ...]] = ("record",)
 
     def __init__(self, ctx):
         super().__init__(ctx)

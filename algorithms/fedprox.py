@@ -43,6 +43,7 @@ class FedProxServer(FedAvgServer):
         **ROBUST_PARAMS,
     }
     MERGE = DeltaSums()  # FedAvg's aggregation, inherited unchanged (none under a robust rule)
+    DP_LEVELS: ClassVar[tuple[str, ...]] = ("client",)  # FedAvg's {delta} upload, DeltaSums
 
 
 class FedProxClient(FedAvgClient):

@@ -251,6 +251,9 @@ class FedTGPServer(Robust, Params, ServerHandler):
                                 min=0.0),
         **ROBUST_PARAMS,
     }
+    # the upload is class-mean {protos} (presence from an optional counts, `presence`):
+    # record-level DP replaces it with {protos, counts as 0/1 flags}
+    DP_LEVELS: ClassVar[tuple[str, ...]] = ("record",)
 
     def __init__(self, ctx):
         super().__init__(ctx)
