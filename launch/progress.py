@@ -130,5 +130,13 @@ def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
     table.add_row("params up / down", f"{summary['params_up']:,} / {summary['params_down']:,}",
                   "")
     table.add_row("wall time", f"{summary['wall_s']:.1f} s", "")
+    privacy = summary.get("privacy")
+    if privacy:
+        stopped = f"stopped: {privacy['stopped']}" if privacy.get("stopped") else ""
+        table.add_row(f"epsilon ({privacy['mechanism']}-level DP)",
+                      f"{privacy['epsilon']:.3g} at delta {privacy['delta']:g}", stopped)
+    if "secure_aggregation" in summary:
+        table.add_row("secure aggregation", "on",
+                      f"{summary['secure_aggregation']['rounds_failed']} round(s) failed")
     Console(file=sys.stdout).print(table)
 

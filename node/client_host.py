@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from fedbus.algorithms.base import ClientHandler, LocalRun
@@ -96,7 +97,8 @@ class ClientNode:
 
             server_cls = get_algorithm(cfg.algorithm.name).server
             params = resolved_params(server_cls, dict(cfg.algorithm))
-            self.secure = SecureClient(server_cls.merge_rule(params), params)
+            self.secure = SecureClient(server_cls.merge_rule(params), params,
+                                       unit_weight=cfg.privacy.dp == "client")
         if cfg.log.client_messages and self.log_dir is not None:
             self.msglog = MessageLogWriter(self.log_dir / f"messages-{self.name}")
         log.info("configured", run=run_id, algorithm=cfg.algorithm.name, device=str(self.device),
@@ -280,6 +282,33 @@ def run_task(handler: ClientHandler, body: dict[str, Any]) -> tuple[dict[str, An
     privacy = handler.ctx.extra.get("privacy")
     if privacy:
         payload = protect(payload, privacy, int(body["seed"]))
+        payload = dp_release(handler, payload, privacy, int(body["seed"]))
     return {"task": body["task"], "version": body["version"],
             "num_samples": int(len(handler.ctx.train_y)), "work": run.work.to_dict(),
             "payload": payload, "train_s": round(took, 4)}, took
+
+
+def dp_release(handler: ClientHandler, payload: dict[str, Any], privacy: dict[str, Any],
+               seed: int) -> dict[str, Any]:
+    """privacy.dp on the client, before anything leaves it (fedbus.node.dp): "record"
+    replaces the prototypes and counts with a record-level DP release over the client's
+    training set (each sample's feature clipped, per-class sums and counts noised);
+    "client" clips the weight delta (the server noises the round's sum)."""
+    mechanism = privacy.get("dp", "off")
+    if mechanism == "off":
+        return payload
+    from fedbus.node import dp
+
+    if mechanism == "record":
+        ctx = handler.ctx
+        release = dp.dp_prototypes(ctx.model, ctx.train_x, ctx.train_y, ctx.num_classes,
+                                   float(privacy["dp_clip"]),
+                                   float(privacy["dp_noise_multiplier"]), seed)
+        return {**payload, **release}
+    # the learned (float) arrays are clipped together; integer buffers (BatchNorm's step
+    # counters) pass as they are, as the update's work report tells their value anyway
+    delta = payload["delta"]
+    floats = {k: v for k, v in delta.items() if np.asarray(v).dtype.kind == "f"}
+    clipped, _ = dp.clip_update(floats, float(privacy["dp_clip"]))
+    return {**payload, "delta": {k: clipped.get(k, v) for k, v in delta.items()}}
+

@@ -249,6 +249,7 @@ class Engine:
         self.started = False
         self.start_time: float | None = None
         self.done = False
+        self.stopped = ""  # why the run ended before its rounds, if it did
         self.records: list[dict[str, Any]] = []  # metrics, drained by the shell
         # Labelled units per training sample (1; H * W pixels for segmentation masks): the
         # shell's bound on an update's per-class counts (fedbus.node.validate).
@@ -268,6 +269,12 @@ class Engine:
         # clients mask, from the handler's merge rule.
         self.secure = bool(cfg.privacy.secure_aggregation) and not self.async_mode
         self.sum_spec: dict[str, Any] | None = None
+        # Differential privacy (fedbus.node.budget): what the run has spent, and its budget.
+        self.ledger = None
+        if cfg.privacy.dp != "off":
+            from fedbus.node.budget import PrivacyLedger
+
+            self.ledger = PrivacyLedger(cfg.privacy)
         self.count_epochs = int(handler.count_epochs())
         # async bookkeeping of the current aggregation window
         self.window = RoundState(0, 0.0, [], 0.0, 0.0)
@@ -579,7 +586,18 @@ class Engine:
         if len(live) < self.fed.min_clients:
             return []
         k = max(self.fed.min_clients, math.ceil(self.fed.fraction * len(live)))
-        sampled = self._sample(live, k)
+        candidates = live
+        if self.ledger is not None:
+            candidates = self._within_budget(live)
+            if len(candidates) < self.fed.min_clients or \
+                    not self.ledger.run_has_budget(min(k, len(candidates)), len(live)):
+                return self._budget_spent(now)
+        sampled = self._sample(candidates, k)
+        if self.ledger is not None:  # charged as the tasks go out (a dropout pays too)
+            if self.ledger.mechanism == "record":
+                self.ledger.charge_clients(sampled)
+            else:
+                self.ledger.charge_round(len(sampled), len(live))
         deadline = now + self.fed.deadline_s if self.fed.deadline_s > 0 else 0.0
         hard = now + max(self.fed.hard_deadline_s, self.fed.deadline_s)
         self.round = RoundState(self.version, now, sampled, deadline, hard)
@@ -768,6 +786,8 @@ class Engine:
             fresh = [self._weighted(r.updates[c]) for c in sorted(r.updates)
                      if c not in in_merged]
             fresh += [self._weighted(e) for e in sorted(r.merged, key=lambda e: e.client)]
+            if self.ledger is not None and self.ledger.mechanism == "client":
+                fresh = [self._weighted(e) for e in self._dp_sum(fresh)]
         folded = [self._weighted(u) for u in self.late
                   if self.version - u.version <= self.fed.max_staleness]
         self.late = []
@@ -805,7 +825,8 @@ class Engine:
                 "partial_clients": sorted(u.client for u in updates if u.work.fraction < 1.0),
                 "failures": {str(f.client): f.reason for f in failures},
                 "agg": {k: float(v) for k, v in metrics.items() if k not in extra},
-                **({"agg_extra": extra} if extra else {})}
+                **({"agg_extra": extra} if extra else {}),
+                **({"dp": self.ledger.record()} if self.ledger is not None else {})}
 
     def _after_aggregation(self, record: dict[str, Any], now: float) -> list[Out]:
         out: list[Out] = []
@@ -818,6 +839,63 @@ class Engine:
         if self.async_mode:
             return out
         return out + self._progress(now)
+
+    # --- differential privacy (fedbus.node.budget, fedbus.node.dp) ---
+
+    def _within_budget(self, live: list[int]) -> list[int]:
+        """The live clients whose next release stays within privacy.target_epsilon; the
+        others are logged once as spent."""
+        ok = []
+        for c in live:
+            if self.ledger.has_budget(c):
+                ok.append(c)
+            elif c not in self.ledger.spent:
+                self.ledger.spent.add(c)
+                self.events.append({"event": "privacy_budget_spent", "client": c,
+                                    "epsilon": self.ledger.client_epsilon(
+                                        self.ledger.participations.get(c, 0))})
+        return ok
+
+    def _budget_spent(self, now: float) -> list[Out]:
+        """No round fits the budget any more: the run ends here, with its last version."""
+        self.events.append({"event": "privacy_budget_exhausted", "version": self.version,
+                            "epsilon": self.ledger.epsilon(),
+                            "target_epsilon": self.ledger.target})
+        self.rounds = self.version
+        self.stopped = "privacy budget"
+        return self._finish(now) if not self.evals else []
+
+    def _dp_noised(self, form: dict[str, Any]) -> dict[str, Any]:
+        """Client-level DP: N(0, (z C)^2) on the round's sum of clipped deltas (seeded by
+        the run's seed and the version: a replay draws the same)."""
+        from fedbus.node.dp import gaussian_like
+
+        seed = int(np.random.SeedSequence([self.fed.seed, 0xD9, self.version])
+                   .generate_state(1)[0])
+        noise = gaussian_like(form["delta_sum"], self.ledger.noise_std(), seed)
+        return {**form, "delta_sum": _tree_add(form["delta_sum"], noise)}
+
+    def _dp_sum(self, updates: list[ClientUpdate]) -> list[ClientUpdate]:
+        """Client-level DP without secure aggregation: the round's clipped deltas summed
+        with weight 1 each (a relay's merged sum is one already), noised, as one merged
+        update: the handler steps by sum / number of clients."""
+        from fedbus.algorithms.local import resolved_params
+        from fedbus.algorithms.merge import weighted_sum
+
+        if not updates:
+            return []
+        rule = self.handler.merge_rule()
+        params = resolved_params(type(self.handler), self.cfg.algorithm)
+        ones = [ClientUpdate(client=u.client, payload=u.payload, num_samples=1, work=u.work,
+                             version=u.version, members=u.members, weight=1.0)
+                for u in updates]
+        total, _ = weighted_sum(ones, rule, params)
+        members = tuple(sorted(members_of(updates), key=lambda u: u.client))
+        if total is None:
+            return []
+        return [ClientUpdate(client=members[0].client, payload=self._dp_noised(total),
+                             num_samples=sum(u.num_samples for u in members),
+                             work=members[0].work, version=self.version, members=members)]
 
     # --- secure aggregation (fedbus.node.secure_round; PROTOCOL.md §12) ---
 
@@ -1047,6 +1125,8 @@ class Engine:
             form = unflatten(s.session.unmask(), self.secure_spec())
         except (SecAggError, ValueError) as err:
             return self._secure_done(now, failed=str(err))
+        if self.ledger is not None and self.ledger.mechanism == "client":
+            form = self._dp_noised(form)
         members = sorted((r.updates[c] for c in s.survivors), key=lambda u: u.client)
         body = {"version": self.version, "payload": form,
                 "members": [[client_address(u.client), s.task_of[u.client], u.num_samples,
@@ -1199,9 +1279,12 @@ class Engine:
 
     def state_dict(self) -> dict[str, Any]:
         # PCG64's state holds 128-bit integers, which msgpack cannot carry: JSON text can.
-        return {"version": self.version, "rng": json.dumps(self.rng.bit_generator.state),
-                "next_task_id": self.next_task_id, "next_eval_id": self.next_eval_id,
-                "totals": dict(self.totals), "handler": self.handler.state_dict()}
+        state = {"version": self.version, "rng": json.dumps(self.rng.bit_generator.state),
+                 "next_task_id": self.next_task_id, "next_eval_id": self.next_eval_id,
+                 "totals": dict(self.totals), "handler": self.handler.state_dict()}
+        if self.ledger is not None:
+            state["dp"] = self.ledger.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.version = int(state["version"])
@@ -1210,6 +1293,13 @@ class Engine:
         self.next_eval_id = int(state["next_eval_id"])
         self.totals.update(state["totals"])
         self.handler.load_state_dict(state["handler"])
+        if self.ledger is not None and "dp" in state:
+            self.ledger.load_state_dict(state["dp"])
+
+
+def _tree_add(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    return {k: _tree_add(v, b[k]) if isinstance(v, dict) else np.asarray(v) + b[k]
+            for k, v in a.items()}
 
 
 def _by_client(mapping: Any) -> dict[int, Any]:

@@ -314,8 +314,10 @@ class Relay:
                 log.warning("update not merged: refused", client=address, reason=problem)
             elif body.get("version") == g.version:
                 work = Work.from_dict(body["work"])
-                form = self.rule.lift(body["payload"], int(body["num_samples"]), work,
-                                      self.params, client_index(address))
+                # (client-level DP sums clipped deltas with weight 1 each: fedbus.node.budget)
+                n = 1 if self.privacy.get("dp") == "client" else int(body["num_samples"])
+                form = self.rule.lift(body["payload"], n, work, self.params,
+                                      client_index(address))
         except (KeyError, TypeError, ValueError) as err:
             log.warning("update not merged: malformed", client=address, error=str(err))
         size = 0 if form is None else form_nbytes(form)

@@ -193,8 +193,9 @@ class SecureClient:
     goes out before training), `ready` when the update is trained (None while the peers
     are not known: the update waits), `on_peers` and `on_unmask` on the server's steps."""
 
-    def __init__(self, rule: Any, params: Mapping[str, Any]):
-        self.rule, self.params = rule, params
+    def __init__(self, rule: Any, params: Mapping[str, Any], *, unit_weight: bool = False):
+        # unit_weight: client-level DP sums clipped deltas with weight 1 each
+        self.rule, self.params, self.unit_weight = rule, params, unit_weight
         self.sessions: dict[str, dict[str, Any]] = {}
 
     def begin(self, address: str, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -257,7 +258,8 @@ class SecureClient:
 
         update = state.pop("update")
         state["update"] = None
-        form = self.rule.lift(update["payload"], int(update["num_samples"]),
+        form = self.rule.lift(update["payload"],
+                              1 if self.unit_weight else int(update["num_samples"]),
                               Work.from_dict(update["work"]), self.params, state["client"])
         # a rule that keeps an update apart (FedAvg's dropped partial work) adds nothing
         vector = flatten(form) if form is not None else np.zeros(state["length"])
@@ -322,6 +324,10 @@ def privacy_refusal(cfg: Any) -> str | None:
         if reason is None and cfg.federation.mode != "sync":
             reason = (f"privacy.dp = {privacy.dp}: the accountant composes sync rounds; "
                       "set federation.mode = sync")
+        if reason is None and cfg.federation.late == "fold":
+            reason = (f"privacy.dp = {privacy.dp}: a late update folded into a later round "
+                      "would escape that round's noise and accounting (set federation.late "
+                      "= drop)")
         if reason is None and (privacy.clip_norm > 0 or privacy.noise_sigma > 0):
             reason = ("privacy.dp replaces the unaccounted clip_norm / noise_sigma: set "
                       "those to 0")

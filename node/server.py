@@ -61,7 +61,9 @@ def build_engine(cfg: Config, run_id: str) -> Engine:
     engine = Engine(cfg, build_handler(cfg), run_id, train_sizes=sizes)
     engine.label_pixels = data.label_pixels
     engine.test_sizes = {i: len(data.parts[i].test) for i in range(n)}
-    if data.label_pixels == 1:  # per-class bounds; segmentation counts pixels: total only
+    # per-class bounds; segmentation counts pixels, and record-level DP sends noisy class
+    # presence (a class the client lacks may show, fedbus.node.dp): the total bounds only
+    if data.label_pixels == 1 and cfg.privacy.dp != "record":
         per_class = data.class_counts("train")
         engine.class_samples = {i: per_class[i] for i in range(n)}
     return engine
@@ -499,6 +501,11 @@ class ServerNode:
         summary = summarise(self.run.records, algorithm=self.cfg.algorithm.name,
                             totals=e.totals, wall_s=wall,
                             target_acc=self.cfg.federation.target_acc)
+        if e.ledger is not None:  # what the run spent (fedbus.node.budget)
+            summary["privacy"] = {**e.ledger.record(), "stopped": e.stopped or None}
+        if e.secure:
+            failed = sum(1 for r in self.run.records if r.get("secagg", {}).get("failed"))
+            summary["secure_aggregation"] = {"rounds_failed": failed}
         self.run.write_summary(summary)
         self.run.write_csv()
         embeddings = getattr(e, "final_embeddings", None)

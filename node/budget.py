@@ -1,0 +1,110 @@
+"""The server's privacy ledger: what a run with `privacy.dp` has spent, round by round.
+
+The mechanisms and the accountant are fedbus.node.dp's; this is the engine's bookkeeping
+around them, deterministic in the run's events (a replay recomputes it, a resumed run
+reloads it):
+
+* record (prototype algorithms): each client releases its own DP prototypes every task it
+  answers (the noise is added on the client, before anything leaves it). A client's epsilon
+  composes its participations, charged when its task is sent (conservative: a client that
+  then drops out is charged all the same) with no amplification by client sampling: the
+  server draws the cohort and sees who took part. The run's epsilon is the largest
+  client's. `target_epsilon`: a client whose next participation would pass it is no longer
+  sampled (logged once, "privacy_budget_spent"); the run stops when fewer than
+  `min_clients` have budget left.
+* client (weight-sharing algorithms, DP-FedAvg, McMahan et al. 2018): every client's
+  delta is clipped on the client; the server sums them with weight 1 each and adds
+  N(0, (z C)^2) to the sum (central noise: it protects the clients from whoever sees the
+  global models, not from the server, which sees the clipped deltas or, under secure
+  aggregation, their exact sum). Each round composes one Gaussian mechanism subsampled
+  with q = sampled / live clients (the accountant's Poisson subsampling: fedbus draws a
+  fixed-size cohort uniformly without replacement, the usual approximation of DP-FedAvg's
+  analysis). `target_epsilon`: the run stops before a round that would pass it.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+class PrivacyLedger:
+    def __init__(self, privacy: Mapping[str, Any]):
+        from fedbus.node.dp import Accountant, record_noise_multiplier
+
+        self.mechanism = str(privacy["dp"])
+        self.kind, self.delta = str(privacy["dp_accountant"]), float(privacy["delta"])
+        self.clip = float(privacy["dp_clip"])
+        self.z = float(privacy["dp_noise_multiplier"])
+        self.target = float(privacy["target_epsilon"])
+        # the noise multiplier the accountant composes: record-level noise covers a class
+        # sum and its count at once (sensitivity sqrt(2) in noise units)
+        self.z_accounted = record_noise_multiplier(self.z) if self.mechanism == "record" \
+            else self.z
+        self.run = Accountant(self.kind, self.delta)  # client-level
+        self.participations: dict[int, int] = {}  # record-level: tasks sent per client
+        self._eps_by_count: dict[int, float] = {0: 0.0}
+        self.spent: set[int] = set()  # clients out of budget (logged once each)
+        self._accountant = Accountant
+
+    # --- record level: per client ---
+
+    def client_epsilon(self, count: int) -> float:
+        """Epsilon of a client after `count` releases (memoised: every client's mechanism
+        is the same, so its epsilon depends on its count alone)."""
+        eps = self._eps_by_count.get(count)
+        if eps is None:
+            acc = self._accountant(self.kind, self.delta)
+            acc.add(self.z_accounted, 1.0, steps=count)
+            eps = self._eps_by_count[count] = acc.epsilon()
+        return eps
+
+    def has_budget(self, client: int) -> bool:
+        if self.mechanism != "record" or self.target <= 0:
+            return True
+        return self.client_epsilon(self.participations.get(client, 0) + 1) <= self.target
+
+    def charge_clients(self, clients: list[int]) -> None:
+        for c in clients:
+            self.participations[c] = self.participations.get(c, 0) + 1
+
+    # --- client level: the run ---
+
+    def run_has_budget(self, sampled: int, live: int) -> bool:
+        if self.mechanism != "client" or self.target <= 0:
+            return True
+        return self.run.epsilon_after(self.z, min(1.0, sampled / max(live, 1))) <= self.target
+
+    def charge_round(self, sampled: int, live: int) -> None:
+        self.run.add(self.z, min(1.0, sampled / max(live, 1)))
+
+    def noise_std(self) -> float:
+        """The std of the Gaussian noise the server adds to a client-level round's sum."""
+        return self.z * self.clip
+
+    # --- reports ---
+
+    def epsilon(self) -> float:
+        if self.mechanism == "record":
+            return max((self.client_epsilon(n) for n in set(self.participations.values())),
+                       default=0.0)
+        return self.run.epsilon()
+
+    def record(self) -> dict[str, Any]:
+        out = {"mechanism": self.mechanism, "epsilon": round(self.epsilon(), 6),
+               "delta": self.delta, "noise_multiplier": self.z, "clip": self.clip}
+        if self.mechanism == "record":
+            out["max_participations"] = max(self.participations.values(), default=0)
+            out["spent_clients"] = len(self.spent)
+        if self.target > 0:
+            out["target_epsilon"] = self.target
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"run": self.run.state_dict(),
+                "participations": [[c, n] for c, n in sorted(self.participations.items())],
+                "spent": sorted(self.spent)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.run.load_state_dict(state["run"])
+        self.participations = {int(c): int(n) for c, n in state["participations"]}
+        self.spent = {int(c) for c in state["spent"]}
