@@ -68,7 +68,8 @@ class Clients:
 
         server_cls = get_algorithm(cfg.algorithm.name).server
         params = resolved_params(server_cls, dict(cfg.algorithm))
-        self.secure = SecureClient(server_cls.merge_rule(params), params)
+        self.secure = SecureClient(server_cls.merge_rule(params), params,
+                                   unit_weight=cfg.privacy.dp == "client")
         self.engine = engine
         self.sent: list[Message] = []  # every message a client sent (what the server saw)
 
@@ -78,10 +79,13 @@ class Clients:
         return dispatch(self.engine, msg, now)
 
 
-def secure_round(engine, cfg, tasks, *, drop_shares=(), drop_input=(), now=1.0):
+def secure_round(engine, cfg, tasks, *, drop_shares=(), drop_input=(), now=1.0,
+                 update=None):
     """One securely aggregated round, message by message. drop_shares: clients that send
     keys and shares and then vanish; drop_input: clients that send their masked input and
-    vanish before unmasking. Returns (the round's outs, the Clients)."""
+    vanish before unmasking; update(engine, task, client): the trained update (default
+    _update). Returns (the round's outs, the Clients)."""
+    update = update or _update
     cl = Clients(engine, cfg)
     outs = []
     for t in tasks:
@@ -97,7 +101,7 @@ def secure_round(engine, cfg, tasks, *, drop_shares=(), drop_input=(), now=1.0):
     unmasks = []
     for o in masking:
         c = int(o.dst[1:])
-        assert cl.secure.ready(o.dst, _update(engine, by_dst[o.dst], c)) is None  # held
+        assert cl.secure.ready(o.dst, update(engine, by_dst[o.dst], c)) is None  # held
         masked = cl.secure.on_masking(o.dst, o.body)
         if c not in drop_shares:
             unmasks += cl.send("update", o.dst, masked, o.round, now)
