@@ -303,10 +303,18 @@ def privacy_refusal(cfg: Any) -> str | None:
     """One line on why the run's [privacy] options cannot be used, or None: secure
     aggregation's conditions (secagg_refusal), its ring (range x cohort x 2^frac_bits must
     fit 64 bits), and the DP mechanism's (fedbus.node.dp.dp_refusal)."""
+    privacy = cfg.privacy
+    for wanted, modules in ((privacy.secure_aggregation, ("cryptography", "Crypto")),
+                            (privacy.dp != "off", ("dp_accounting",))):
+        for module in modules if wanted else ():
+            try:
+                __import__(module)
+            except ImportError:
+                return (f"[privacy] needs the {module} package, which is not installed: "
+                        "pip install 'fedbus[privacy]'")
     reason = secagg_refusal(cfg)
     if reason is not None:
         return reason
-    privacy = cfg.privacy
     if privacy.secure_aggregation:
         from fedbus.node.secagg import RingParams, SecAggError
 
