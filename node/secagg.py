@@ -215,6 +215,19 @@ def _context(x: Any) -> bytes:
     return x
 
 
+def _revealed(u: int, shares: Any, kind: str, allowed: set[int], which: str
+              ) -> dict[int, bytes]:
+    """Client u's revealed shares of one kind, each of a client in `allowed`."""
+    out: dict[int, bytes] = {}
+    for v, share in _mapping(shares, f"{kind} shares").items():
+        v = _client_id(v, f"{kind} share owner")
+        if v not in allowed:
+            raise SecAggError(f"client {u} revealed a {kind}-share of {v}, not {which} "
+                              f"client it holds shares of")
+        out[v] = _bytes(share, SHARE_BYTES, f"client {u}'s {kind}-share of {v}")
+    return out
+
+
 def _holders(client: int, neighbours: Iterable[int]) -> list[int]:
     return sorted({client, *neighbours})
 
@@ -739,21 +752,8 @@ class ServerSession:
             raise SecAggError(f"client {u} revealed twice")
         holds = set(_holders(u, graph[u]))
         alive, gone = set(self._survivors), set(self._dropped)
-        b_out: dict[int, bytes] = {}
-        for v, share in _mapping(b, "b shares").items():
-            v = _client_id(v, "b share owner")
-            if v not in holds or v not in alive:
-                raise SecAggError(f"client {u} revealed a b-share of {v}, not a surviving "
-                                  f"client it holds shares of")
-            b_out[v] = _bytes(share, SHARE_BYTES, f"client {u}'s b-share of {v}")
-        s_out: dict[int, bytes] = {}
-        for v, share in _mapping(s, "s shares").items():
-            v = _client_id(v, "s share owner")
-            if v not in holds or v not in gone:
-                raise SecAggError(f"client {u} revealed an s-share of {v}, not a dropped "
-                                  f"client it holds shares of")
-            s_out[v] = _bytes(share, SHARE_BYTES, f"client {u}'s s-share of {v}")
-        self._reveals[u] = (b_out, s_out)
+        self._reveals[u] = (_revealed(u, b, "b", holds & alive, "a surviving"),
+                            _revealed(u, s, "s", holds & gone, "a dropped"))
 
     def missing(self) -> list[str]:
         """What cannot be reconstructed yet; [] when unmask() can succeed."""

@@ -70,18 +70,21 @@ def _arrays(state: dict) -> dict:
     return out
 
 
+def run_to_end(tmp_path, sections, *, relays: bool, name: str):
+    """A federation (flat, or through two relays) run to its end: its run directory."""
+    run, procs = _federation(tmp_path, sections, relays=relays, name=name)
+    try:
+        _finish(run, procs, name)
+    finally:
+        procs.close()
+    return run
+
+
 @pytest.mark.parametrize("algorithm", ["fedproto", "fedavg", "mpfedcl"])
 def test_two_relays_give_the_flat_federations_global_state(tmp_path, algorithm):
     sections = merged(EQUIV, algorithm={"name": algorithm})
-    runs = {}
-    for relays in (False, True):
-        name = "relays" if relays else "flat"
-        run, procs = _federation(tmp_path, sections, relays=relays, name=name)
-        try:
-            _finish(run, procs, name)
-        finally:
-            procs.close()
-        runs[name] = run
+    runs = {name: run_to_end(tmp_path, sections, relays=relays, name=name)
+            for name, relays in (("flat", False), ("relays", True))}
     flat, tree = (_arrays(_final_state(runs[k])) for k in ("flat", "relays"))
     want = {"fedproto": {"protos"}, "fedavg": {"weights/"}, "mpfedcl": {"weights/", "pool"}}
     assert all(any(k.startswith(w) for k in flat) for w in want[algorithm]), sorted(flat)

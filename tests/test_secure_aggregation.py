@@ -273,18 +273,12 @@ def _arrays_of(run) -> dict:
 def test_two_relays_with_secure_aggregation_give_the_flat_plain_global_state(tmp_path,
                                                                              algorithm):
     from tests.helpers import merged, metrics
-    from tests.test_relay import EQUIV, _federation, _finish
+    from tests.test_relay import EQUIV, run_to_end
 
-    runs = {}
-    for name, relays, secure in (("flat", False, False), ("secure", True, True)):
-        sections = merged(EQUIV, algorithm={"name": algorithm},
-                          privacy={"secure_aggregation": secure})
-        run, procs = _federation(tmp_path, sections, relays=relays, name=name)
-        try:
-            _finish(run, procs, name)
-        finally:
-            procs.close()
-        runs[name] = run
+    runs = {name: run_to_end(tmp_path, merged(EQUIV, algorithm={"name": algorithm},
+                                              privacy={"secure_aggregation": secure}),
+                             relays=secure, name=name)
+            for name, secure in (("flat", False), ("secure", True))}
     flat, secure = _arrays_of(runs["flat"]), _arrays_of(runs["secure"])
     recs = metrics(runs["secure"])
     assert len(recs) == 3
