@@ -72,6 +72,7 @@ class Clients:
                                    unit_weight=cfg.privacy.dp == "client")
         self.engine = engine
         self.sent: list[Message] = []  # every message a client sent (what the server saw)
+        self.held: dict[str, dict] = {}  # masked updates of clients that vanished
 
     def send(self, kind, src, body, round_, now):
         msg = _msg(kind, src, body, round_)
@@ -105,6 +106,8 @@ def secure_round(engine, cfg, tasks, *, drop_shares=(), drop_input=(), now=1.0,
         masked = cl.secure.on_masking(o.dst, o.body)
         if c not in drop_shares:
             unmasks += cl.send("update", o.dst, masked, o.round, now)
+        else:
+            cl.held[o.dst] = masked  # (it may come late)
     if drop_shares:  # the round closes at its deadline without them
         unmasks += engine.on_tick(now + cfg.federation.deadline_s + 0.1)
     after = []
@@ -322,3 +325,19 @@ def test_a_client_gone_after_its_masked_input_is_recovered_and_replay_is_identic
     assert {"update", "secagg"} <= kinds
     out = fedbus("replay", str(run), timeout=240)
     assert "replay identical" in out.stdout, out.stdout + out.stderr
+
+
+def test_a_masked_input_that_comes_after_unmasking_began_is_dropped_as_late():
+    cfg = _config("fedproto", True, deadline_s=5.0)
+    engine, tasks = _engine(cfg)
+    _, cl = secure_round(engine, cfg, tasks, drop_shares=(4,))
+    rec = _record(engine)
+    assert rec["secagg"]["dropped"] == 1 and 4 not in rec["participants"]
+    before = (engine.totals["late_dropped"], engine.totals["rejected"], engine.version)
+    outs = dispatch(engine, _msg("update", "c4", cl.held["c4"], tasks[4].round), 50.0)
+    # not refused (the client did nothing wrong), not folded (it would need its own
+    # unmasking): counted as late and dropped
+    assert not [o for o in outs if o.kind == "error"]
+    assert (engine.totals["late_dropped"], engine.totals["rejected"], engine.version) == \
+        (before[0] + 1, before[1], before[2])
+
