@@ -21,9 +21,9 @@ The figures, from the server's metrics (RUN/metrics.jsonl):
                 inputs are the updates: ring_bits / 8 bytes an element instead of 4)
                 plus the secure steps both ways (the record's secagg bytes_up: keys,
                 shares, reveals; bytes_down: peers, masking, unmask).
-  unmask_s, t, neighbours, ring_bits, quant_bound
-                the secure rounds' secagg records (unmask_s: the median; the others
-                are fixed by the cohort): unmask_s runs from the unmask requests to
+  reveal_s, t, neighbours, ring_bits, quant_bound
+                the secure rounds' secagg records (reveal_s: the median; the others
+                are fixed by the cohort): reveal_s runs from the unmask requests to
                 the last reveal (the server's reconstruction that follows is not in
                 it: see "after close" below), t is the Shamir threshold among a
                 client's neighbours + 1 holders, quant_bound the worst quantisation
@@ -268,7 +268,7 @@ def side(res: Finished, secure: bool) -> dict[str, Any]:
             "records": sa, "survivors_min": min(s.get("survivors", 0) for s in sa),
             "failed": [[x["round"], s["failed"]] for x, s in zip(records, sa) if "failed" in s],
             "missing": [x["round"] for x, s in zip(records, sa) if not s],
-            "unmask_s_median": _median([s["unmask_s"] for s in sa if "unmask_s" in s]),
+            "reveal_s_median": _median([s["reveal_s"] for s in sa if "reveal_s" in s]),
             **{k: last.get(k) for k in ("t", "neighbours", "ring_bits", "frac_bits",
                                         "quant_bound")}}
     return fig
@@ -313,7 +313,7 @@ def verdict(row: dict[str, Any]) -> str:
 
 
 HEAD = (f"{'clients':>7} {'rounds':>6} | {'plain s/rd':>10} {'secure s/rd':>11} {'ratio':>7} | "
-        f"{'plain B/rd':>12} {'secure B/rd':>12} {'ratio':>6} | {'unmask_s':>8} {'t':>3} "
+        f"{'plain B/rd':>12} {'secure B/rd':>12} {'ratio':>6} | {'reveal_s':>8} {'t':>3} "
         f"{'nbrs':>4} {'ring':>4} {'quant_bound':>11} {'survivors':>9}")
 
 
@@ -327,7 +327,7 @@ def table_row(row: dict[str, Any]) -> str:
              _fmt(plain.get("bytes_per_round"), ",.0f", 12),
              _fmt(sec.get("bytes_per_round"), ",.0f", 12),
              _fmt(row.get("bytes_ratio"), ".2f", 5) + "x |",
-             _fmt(sa.get("unmask_s_median"), ".3f", 8), _fmt(sa.get("t"), "d", 3),
+             _fmt(sa.get("reveal_s_median"), ".3f", 8), _fmt(sa.get("t"), "d", 3),
              _fmt(sa.get("neighbours"), "d", 4), _fmt(sa.get("ring_bits"), "d", 4),
              _fmt(sa.get("quant_bound"), ".2e", 11), _fmt(sa.get("survivors_min"), "d", 9)]
     return " ".join(cells)

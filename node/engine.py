@@ -1090,7 +1090,7 @@ class Engine:
             r.failures[c] = "late"
         s.phase = "unmask"
         s.survivors = set(s.inputs)
-        s.unmask_started = now
+        s.reveal_started = now
         s.deadline = now + s.timeout
         if len(s.survivors) < 2:  # the "sum" of one input is that input
             return self._secure_done(now, failed=f"{len(s.survivors)} masked input(s) "
@@ -1158,7 +1158,7 @@ class Engine:
             s.entries = []
             self.events.append({"event": "secagg_failed", "round": r.round, "reason": failed})
         else:
-            s.result = {"unmask_s": round(now - s.unmask_started, 6)}
+            s.result = {"reveal_s": round(now - s.reveal_started, 6)}
         return self._close_round(now)  # (an input still to come is late: dropped)
 
     # --- async ---

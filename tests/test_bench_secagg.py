@@ -69,7 +69,7 @@ def test_plain_and_secure_runs_of_a_tiny_cohort_compare_time_and_bytes(tmp_path)
     assert len(sa["records"]) == 2
     for rec in sa["records"]:
         assert rec["survivors"] == rec["keys"] == 4 and rec["dropped"] == 0
-        assert "failed" not in rec and rec["unmask_s"] >= 0
+        assert "failed" not in rec and rec["reveal_s"] >= 0
         assert rec["bytes_up"] > 0 and rec["bytes_down"] > 0
     assert (sa["t"], sa["neighbours"]) == (3, 3)  # every other client of a small cohort
     assert sa["ring_bits"] > 32 and sa["quant_bound"] > 0
