@@ -20,7 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--client", type=int, default=None, help="only messages to or from client ID")
     p.add_argument("--kind", action="append", default=None,
                    help="only these kinds (task, update, eval, eval_result, join, leave, "
-                   "error, tick, ...); repeatable")
+                   "error, secagg, tick, ...); repeatable")
     p.add_argument("--json", action="store_true", help="print the raw index lines")
 
 
