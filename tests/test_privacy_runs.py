@@ -78,9 +78,9 @@ def test_dp_refuses_an_algorithm_it_cannot_serve_at_preflight(tmp_path, name, le
 
 # --- client-level DP in the engine, scripted ---
 
-def _fedavg_engine(secure: bool, z: float):
+def _fedavg_engine(secure: bool, z: float, **federation):
     cfg = build_config({
-        "federation": {"clients": 4, "rounds": 2, "seed": 5},
+        "federation": {"clients": 4, "rounds": 2, "seed": 5, **federation},
         "data": {"dataset": "digits", "partition": "iid"}, "model": {"arch": "mlp"},
         "algorithm": {"name": "fedavg"},
         "privacy": {"dp": "client", "dp_clip": 1.0, "dp_noise_multiplier": z,
@@ -151,3 +151,32 @@ def test_client_level_dp_under_secure_aggregation_gives_the_plain_dp_state():
     assert moved > 0.1  # the same noise (seeded by the run and version) moved both far
     for k in want:
         np.testing.assert_allclose(got[k], want[k], atol=rec["secagg"]["quant_bound"], err_msg=k)
+
+
+def test_client_level_epsilon_composes_the_subsampled_rounds_as_the_library_does():
+    # half the clients a round (q = 2/4), three rounds, a budget that fits exactly two
+    z, q = 1.2, 0.5
+    two, three = (_library_epsilon(z, q, r, 1e-5) for r in (2, 3))
+    _, engine, tasks = _fedavg_engine(False, z, fraction=0.5, rounds=6,
+                                      eval_every=100)
+    engine.ledger.target = float(two + three) / 2
+    seen = []
+    for _ in range(3):
+        tasks = [t for t in tasks if t.kind == "task"]
+        if not tasks:
+            break
+        assert len(tasks) == 2
+        outs = []
+        for t in tasks:
+            c = int(t.dst[1:])
+            body = {"task": t.body["task"], "version": t.body["version"],
+                    "num_samples": 10 + c, "work": WORK,
+                    "payload": {"delta": _big_delta(engine, c)}}
+            outs += dispatch(engine, _msg("update", t.dst, body, t.round), 1.0)
+        seen.append(engine.records[-1]["dp"]["epsilon"])
+        tasks = outs
+    np.testing.assert_allclose(seen, [_library_epsilon(z, q, 1, 1e-5), two], rtol=1e-6)
+    # the third round would pass the budget: the run ended after two, saying why
+    assert engine.done and engine.stopped == "privacy budget" and engine.version == 2
+    assert any(e["event"] == "privacy_budget_exhausted" for e in engine.events)
+
