@@ -274,7 +274,7 @@ class Engine:
         if cfg.privacy.dp != "off":
             from fedbus.node.budget import PrivacyLedger
 
-            self.ledger = PrivacyLedger(cfg.privacy)
+            self.ledger = PrivacyLedger(cfg.privacy, cfg.train, self.train_sizes)  # sgd: n
         self.count_epochs = int(handler.count_epochs())
         # async bookkeeping of the current aggregation window
         self.window = RoundState(0, 0.0, [], 0.0, 0.0)
@@ -594,7 +594,7 @@ class Engine:
                 return self._budget_spent(now)
         sampled = self._sample(candidates, k)
         if self.ledger is not None:  # charged as the tasks go out (a dropout pays too)
-            if self.ledger.mechanism == "record":
+            if self.ledger.per_client:  # record, sgd
                 self.ledger.charge_clients(sampled)
             else:
                 self.ledger.charge_round(len(sampled), len(live))
@@ -639,10 +639,10 @@ class Engine:
             r.updates[client] = upd
             r.count_up(nbytes, params)
             return self._progress(now)
-        # a straggler from an earlier round
-        if self.fed.late == "fold":
+        # a straggler from an earlier round: set aside to fold (counted when it is folded,
+        # or dropped as too stale, at the next aggregation), unless none is left
+        if self.fed.late == "fold" and self.version < self.rounds:
             self.late.append(upd)
-            self.totals["late_folded"] += 1
             self.events.append({"event": "late_folded", "client": client, "version": task.version})
         else:
             self.totals["late_dropped"] += 1
@@ -709,14 +709,13 @@ class Engine:
             r.count_up(nbytes, params)
             return self._progress(now)
         # a relay's group that missed its round: late, as its members would be
-        if self.fed.late == "fold":
+        fold = self.fed.late == "fold" and self.version < self.rounds
+        if fold:
             self.late.append(entry)
-            self.totals["late_folded"] += len(members)
         else:
             self.totals["late_dropped"] += len(members)
-        self.events.append({"event": "late_folded" if self.fed.late == "fold" else
-                            "late_dropped", "relay": node, "clients": len(members),
-                            "version": version})
+        self.events.append({"event": "late_folded" if fold else "late_dropped",
+                            "relay": node, "clients": len(members), "version": version})
         return []
 
     def on_task_failed(self, src: str, task_id: Any, now: float,
@@ -790,6 +789,8 @@ class Engine:
                 fresh = [self._weighted(e) for e in self._dp_sum(fresh)]
         folded = [self._weighted(u) for u in self.late
                   if self.version - u.version <= self.fed.max_staleness]
+        self.totals["late_folded"] += len(members_of(folded))
+        self.totals["late_dropped"] += len(members_of(self.late)) - len(members_of(folded))
         self.late = []
         failures = [Failure(c, r.failures[c]) for c in sorted(r.failures)]
         record = self._aggregate(fresh + folded, failures, r, now)
@@ -852,8 +853,7 @@ class Engine:
             elif c not in self.ledger.spent:
                 self.ledger.spent.add(c)
                 self.events.append({"event": "privacy_budget_spent", "client": c,
-                                    "epsilon": self.ledger.client_epsilon(
-                                        self.ledger.participations.get(c, 0))})
+                                    "epsilon": self.ledger.epsilon_of(c)})
         return ok
 
     def _budget_spent(self, now: float) -> list[Out]:
