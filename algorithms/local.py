@@ -111,6 +111,12 @@ class LocalClient(Params, ClientHandler):
     def run_local(self, run: LocalRun) -> float:
         """One optimiser step per minibatch the engine hands out; returns the
         mean loss (nan when the run yielded no batch)."""
+        # privacy.dp = "sgd": DP-SGD steps (Opacus) over Poisson batches, fedbus.node.dp_sgd
+        if (self.ctx.extra.get("privacy") or {}).get("dp") == "sgd":
+            from fedbus.node.dp_sgd import run_dp_sgd
+
+            self.last_loss = run_dp_sgd(self, run)
+            return self.last_loss
         self.ctx.model.train()
         total, steps = 0.0, 0
         for x, y in run.batches():

@@ -20,6 +20,14 @@ reloads it):
   with q = sampled / live clients (the accountant's Poisson subsampling: fedbus draws a
   fixed-size cohort uniformly without replacement, the usual approximation of DP-FedAvg's
   analysis). `target_epsilon`: the run stops before a round that would pass it.
+* sgd (weight-sharing algorithms, DP-SGD in local training, fedbus.node.dp_sgd): each task
+  a client is sent is epochs x ceil(n / batch_size) DP-SGD steps, each a Gaussian
+  mechanism of multiplier z Poisson-subsampled with q = min(batch_size, n) / n
+  (fedbus.node.dp_sgd.task_sampling; n the client's training-set size, which the server
+  knows from its partition, `sizes`). Charged per client like record level, in full when
+  the task is sent (a client that does part of its epochs, or drops out, pays all of
+  them), and composed over its tasks; the run's epsilon is the largest client's and
+  `target_epsilon` stops sampling a client as at record level.
 """
 from __future__ import annotations
 
@@ -28,7 +36,10 @@ from typing import Any
 
 
 class PrivacyLedger:
-    def __init__(self, privacy: Mapping[str, Any]):
+    def __init__(self, privacy: Mapping[str, Any], train: Mapping[str, Any] | None = None,
+                 sizes: Mapping[int, int] | None = None):
+        """`train` (the [train] section) and `sizes` (client -> training-set size, the
+        engine's train_sizes, read when a client is charged) are needed by sgd only."""
         from fedbus.node.dp import Accountant, record_noise_multiplier
 
         self.mechanism = str(privacy["dp"])
@@ -45,6 +56,18 @@ class PrivacyLedger:
         self._eps_by_count: dict[int, float] = {0: 0.0}
         self.spent: set[int] = set()  # clients out of budget (logged once each)
         self._accountant = Accountant
+        # sgd: each task's (q, steps) depends on the client's n (fedbus.node.dp_sgd)
+        self.train = train
+        self.sizes = sizes if sizes is not None else {}
+        self._eps_sgd: dict[tuple[int, int], float] = {}  # (n, tasks) -> epsilon
+        if self.mechanism == "sgd" and train is None:
+            raise ValueError("privacy.dp = sgd: the ledger needs the [train] section "
+                             "(epochs, batch_size)")
+
+    @property
+    def per_client(self) -> bool:
+        """Whether clients are charged one by one (record, sgd), not the run (client)."""
+        return self.mechanism in ("record", "sgd")
 
     # --- record level: per client ---
 
@@ -58,10 +81,38 @@ class PrivacyLedger:
             eps = self._eps_by_count[count] = acc.epsilon()
         return eps
 
+    def sgd_epsilon(self, n: int, count: int) -> float:
+        """Epsilon of a client with n training samples after `count` DP-SGD tasks: count x
+        epochs x ceil(n / batch_size) steps of PoissonSampled(min(batch_size, n) / n,
+        Gaussian(z)) (memoised on (n, count))."""
+        from fedbus.node.dp_sgd import task_sampling
+
+        eps = self._eps_sgd.get((n, count))
+        if eps is None:
+            q, steps = task_sampling(n, int(self.train["batch_size"]), int(self.train["epochs"]))
+            acc = self._accountant(self.kind, self.delta)
+            acc.add(self.z, q, steps=count * steps)
+            eps = self._eps_sgd[(n, count)] = acc.epsilon()
+        return eps
+
+    def _size(self, client: int) -> int:
+        n = self.sizes.get(client)
+        if n is None:
+            raise ValueError(f"privacy.dp = sgd: client {client}'s training-set size is "
+                             "unknown to the server; its DP-SGD epsilon cannot be accounted")
+        return int(n)
+
+    def epsilon_of(self, client: int, count: int | None = None) -> float:
+        """A client's epsilon after `count` participations (default: those charged)."""
+        count = self.participations.get(client, 0) if count is None else count
+        if self.mechanism == "sgd":
+            return self.sgd_epsilon(self._size(client), count)
+        return self.client_epsilon(count)
+
     def has_budget(self, client: int) -> bool:
-        if self.mechanism != "record" or self.target <= 0:
+        if not self.per_client or self.target <= 0:
             return True
-        return self.client_epsilon(self.participations.get(client, 0) + 1) <= self.target
+        return self.epsilon_of(client, self.participations.get(client, 0) + 1) <= self.target
 
     def charge_clients(self, clients: list[int]) -> None:
         for c in clients:
@@ -87,12 +138,14 @@ class PrivacyLedger:
         if self.mechanism == "record":
             return max((self.client_epsilon(n) for n in set(self.participations.values())),
                        default=0.0)
+        if self.mechanism == "sgd":
+            return max((self.epsilon_of(c) for c in self.participations), default=0.0)
         return self.run.epsilon()
 
     def record(self) -> dict[str, Any]:
         out = {"mechanism": self.mechanism, "epsilon": round(self.epsilon(), 6),
                "delta": self.delta, "noise_multiplier": self.z, "clip": self.clip}
-        if self.mechanism == "record":
+        if self.per_client:
             out["max_participations"] = max(self.participations.values(), default=0)
             out["spent_clients"] = len(self.spent)
         if self.target > 0:

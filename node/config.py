@@ -144,18 +144,25 @@ SCHEMA: dict[str, dict[str, Opt]] = {
                                 "keys, shares and the unmasking answers of a round", min=0.1),
         "dp": Opt("off", "differential privacy with an accountant: record (each training "
                   "sample's feature clipped, per-class sums and counts noised: prototype "
-                  "algorithms) or client (each weight delta clipped, the sum noised: "
-                  "weight-sharing algorithms); fedbus.node.dp", ("off", "record", "client")),
-        "dp_clip": Opt(1.0, "dp: the L2 clip C of a sample's feature (record) or of a "
-                       "client's update (client)", min=1e-9),
+                  "algorithms), client (each weight delta clipped, the sum noised: "
+                  "weight-sharing algorithms) or sgd (DP-SGD with Opacus in local training: "
+                  "each sample's gradient clipped, each step noised; weight-sharing "
+                  "algorithms); fedbus.node.dp", ("off", "record", "client", "sgd")),
+        "dp_clip": Opt(1.0, "dp: the L2 clip C of a sample's feature (record), of a "
+                       "client's update (client) or of a sample's gradient (sgd)", min=1e-9),
         "dp_noise_multiplier": Opt(1.0, "dp: Gaussian noise std over the clip (z; the noise "
                                    "std is z C)", min=1e-6),
         "delta": Opt(1e-5, "dp: the delta at which epsilon is reported", min=1e-12, max=0.1),
-        "target_epsilon": Opt(0.0, "dp: stop a client's (record) or the run's (client) "
+        "target_epsilon": Opt(0.0, "dp: stop a client's (record, sgd) or the run's (client) "
                               "participation before epsilon passes this (0 = no budget)",
                               min=0.0),
         "dp_accountant": Opt("rdp", "dp: the dp-accounting accountant (rdp or pld)",
                              ("rdp", "pld")),
+        # privacy.dp = sgd (fedbus.node.dp_sgd)
+        "dp_sgd_secret": Opt(False, "dp = sgd: draw DP-SGD's batches and noise from the "
+                             "client's OS entropy instead of the task seed, which the server "
+                             "and every node can derive (and so recompute the noise); the "
+                             "client's training is then not reproducible"),
     },
     "security": {
         "max_proto_norm": Opt(0.0, "the server refuses an uploaded prototype longer than this "

@@ -1,6 +1,6 @@
 """Differential privacy with an accountant: the [privacy] `dp` mechanisms and their epsilon.
 
-Two mechanisms, both the Gaussian mechanism on a clipped sum, both under the add-or-remove
+Three mechanisms, each the Gaussian mechanism on a clipped sum, all under the add-or-remove
 neighbouring relation (one record, or one client, present or absent), which is the
 relation the accountant (Google's dp-accounting, `dp_accounting`) is built with.
 
@@ -38,6 +38,18 @@ client (privacy.dp = "client", weight-delta algorithms; `clip_update`, `gaussian
     an observer of the global models does not see the cohort, so each round is a
     Poisson-subsampled Gaussian (`Accountant.add(z, q)`), composed over the rounds.
 
+sgd (privacy.dp = "sgd", weight-delta algorithms; fedbus.node.dp_sgd, with Opacus)
+    What is protected: one training sample of one client, in the weights its local
+    training ends with (so its delta, and everything made from it). DP-SGD (Abadi et al.,
+    CCS 2016): every local step takes a Poisson batch (each sample with probability
+    q = b / n, b = min(batch_size, n)), clips each sample's gradient to L2 norm C, adds
+    N(0, (z C)^2) to their sum and divides by b (Opacus's GradSampleModule and
+    DPOptimizer). Accounting, per client (fedbus.node.budget): each task it is sent is
+    epochs x ceil(n / batch_size) steps of PoissonSampled(q, Gaussian(z)), composed over its
+    tasks (`Accountant.add(z, q, steps)`); no amplification by client sampling. Admitted
+    wherever "client" is (the upload is a weight delta; `dp_levels`), for clients that
+    train through LocalClient.run_local.
+
 What the accountant composes and why. `Accountant` keeps the list of (z, q, steps) it was
 given, grouped by (z, q), and hands the library one event per group: steps x
 PoissonSampled(q, Gaussian(z)), or steps x Gaussian(z) when q = 1, as a
@@ -66,6 +78,11 @@ What is not protected.
   masks sent for plots, come from the test split, which is not covered; the client's model
   itself is not released by the prototype algorithms (it never leaves the client).
   Classification only: dense (segmentation) labels are refused (one image is many pixels).
+- sgd: the batches and the noise come from the task seed, which the server (and any node,
+  from the run's federation.seed) knows and could recompute them from, unless
+  privacy.dp_sgd_secret draws them from the client's OS (fedbus.node.dp_sgd); the
+  network's BatchNorm layers (refused) and anything the client computes outside
+  LocalClient.run_local are not covered.
 - Client level: nothing against the server, which sees each clipped delta before noising
   (unless secure aggregation hides them and the noise is added by the clients); the
   guarantee assumes the server samples each client independently with probability q
@@ -329,8 +346,13 @@ def gaussian_like(tree: Mapping[str, Any], std: float, seed: int) -> dict[str, A
 
 def dp_levels(server_cls: type) -> tuple[str, ...]:
     """The class's own DP_LEVELS (ServerHandler.DP_LEVELS), not inherited: a subclass whose
-    upload differs (FedAvg-proto, MP-FedCL over FedAvg) admits nothing until it declares."""
-    return tuple(vars(server_cls).get("DP_LEVELS", ()))
+    upload differs (FedAvg-proto, MP-FedCL over FedAvg) admits nothing until it declares.
+    "sgd" (DP-SGD on the client, fedbus.node.dp_sgd) comes with "client": an upload that is
+    a weight delta is post-processing of the client's DP-SGD training."""
+    levels = tuple(vars(server_cls).get("DP_LEVELS", ()))
+    if "client" in levels and "sgd" not in levels:
+        levels += ("sgd",)
+    return levels
 
 
 def _registry() -> list[tuple[str, type]]:
@@ -362,8 +384,8 @@ def dp_refusal(server_cls: Any, level: str, params: Mapping[str, Any] | None = N
     also refuses client-level DP under an aggregation that is no sum (algorithm.robust)."""
     if level == "off":
         return None
-    if level not in ("record", "client"):
-        return f"privacy.dp = {level}: unknown mechanism (off, record or client)"
+    if level not in ("record", "client", "sgd"):
+        return f"privacy.dp = {level}: unknown mechanism (off, record, client or sgd)"
     name = None
     if isinstance(server_cls, str):
         from fedbus.algorithms import get_algorithm
@@ -374,11 +396,39 @@ def dp_refusal(server_cls: Any, level: str, params: Mapping[str, Any] | None = N
     name = name or _name_of(server_cls)
     if level not in dp_levels(server_cls):
         what = {"record": "its upload is not only prototypes and counts",
-                "client": "its upload is not a weight delta summed by DeltaSums"}[level]
+                "client": "its upload is not a weight delta summed by DeltaSums",
+                "sgd": "its upload is not a weight delta (DP-SGD makes the trained weights "
+                "private)"}[level]
         admit = ", ".join(n for n, cls in _registry() if level in dp_levels(cls)) or "none"
         return f"privacy.dp = {level}: {name} cannot: {what}; algorithms that admit it: {admit}"
+    if level == "sgd":
+        why = _sgd_refusal(name)
+        if why is not None:
+            return why
     if level == "client" and params is not None and not server_cls.merges(params):
         return (f"privacy.dp = client: {name} with algorithm.robust = "
                 f"{params.get('robust')} aggregates by a rule that is no sum; client-level DP "
                 "noises the sum of the clipped deltas")
+    return None
+
+
+def _sgd_refusal(name: str) -> str | None:
+    """privacy.dp = sgd's own conditions: Opacus installed, and a client that trains through
+    LocalClient.run_local (where fedbus.node.dp_sgd takes over the steps)."""
+    import importlib.util
+
+    if importlib.util.find_spec("opacus") is None:
+        return ("privacy.dp = sgd needs the opacus package, which is not installed: "
+                "pip install 'fedbus[privacy]'")
+    from fedbus.algorithms import get_algorithm
+    from fedbus.algorithms.local import LocalClient
+
+    try:
+        client = get_algorithm(name).client
+    except (ImportError, KeyError, TypeError, AttributeError):
+        return None  # a server class known by no name: its declaration stands
+    if not (isinstance(client, type) and issubclass(client, LocalClient)
+            and client.run_local is LocalClient.run_local):
+        return (f"privacy.dp = sgd: {name} cannot: its client does not train through "
+                "LocalClient.run_local, where DP-SGD takes over the steps")
     return None
