@@ -58,6 +58,13 @@ previous global vector; False replaces the whole set by what was received, as se
 does every round (with partial participation or asynchronous buffers this forgets the
 classes of the clients not heard from; with every client every round they coincide).
 The task is {"logits": float32 [C, C], "has": bool [C]}.
+That mean is a weighted sum per class, sum_i a_ic z_ic / sum_i a_ic (a_ic = s_i counts[c]
+or s_i [counts[c] > 0]), so the server declares it as its merge rule (LogitSums,
+fedbus.algorithms.merge: FedProto's PrototypeSums on "logits"): a relay pre-adds the
+sums and masses of its clients, secure aggregation reveals only their total, and the
+server divides, as it does over single updates (up to float64 rounding). Every option
+keeps it a sum: `collect` changes only what the counts count, `aggregate` the a_ic, and
+`keep_missing` acts after the division.
 
 What was checked against what: both reference codes were read line by line; the
 paper's full text was not at hand, and its wording quoted here ("a set of logit values
@@ -85,6 +92,7 @@ from fedbus.algorithms import Algorithm
 from fedbus.algorithms.base import (ClientUpdate, Failure, LocalRun, RoundInfo, ServerHandler,
                                     to_tensor)
 from fedbus.algorithms.local import LocalClient, Params, opt, staleness_metrics
+from fedbus.algorithms.merge import LogitSums, weighted_sum
 from fedbus.algorithms.protos import aggregate_prototypes, class_sums, merge_prototypes
 
 DISTILL_LOSSES = ("paper", "softmax", "raw")
@@ -143,6 +151,9 @@ class FDServer(Params, ServerHandler):
         "keep_missing": opt(True, "classes nobody sent keep their previous global vector "
                             "(False: replaced by what was received, as serverfd)"),
     }
+    # the per-class mean is a weighted sum, as FedProto's eq. 6: a relay pre-aggregates it
+    # and secure aggregation sums it (fedbus.algorithms.merge), under every option
+    MERGE = LogitSums()
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -162,7 +173,16 @@ class FDServer(Params, ServerHandler):
     def aggregate(self, updates: list[ClientUpdate], failures: list[Failure],
                   info: RoundInfo) -> dict[str, float]:
         metrics = staleness_metrics(updates, failures)
-        if updates:
+        if any(u.members for u in updates):  # a relay's (or secure aggregation's) sums
+            total, _ = weighted_sum(updates, self.MERGE, self.resolved_params())
+            mass = total["mass"]
+            safe = np.where(mass > 0, mass, 1.0)[:, None]
+            mean = np.where(mass[:, None] > 0, total["sums"] / safe, 0.0).astype(np.float32)
+            received = mass > 0
+            self.logits, self.has = merge_prototypes(self.logits, self.has, mean, received,
+                                                     bool(self.param("keep_missing")))
+            metrics["classes_received"] = float(received.sum())
+        elif updates:
             mean, mass = aggregate_prototypes(
                 np.stack([np.asarray(u.payload["logits"]) for u in updates]),
                 np.stack([np.asarray(u.payload["counts"]) for u in updates]),

@@ -51,6 +51,13 @@ On the bus:
   `infer_model` names, nan before any prototype exists. Segmentation: per-pixel
   prototypes and inference (fedbus.algorithms.protos; "proto_miou" beside
   "proto_acc", "miou" beside "acc").
+Relays and secure aggregation (fedbus.algorithms.merge, DeltaAndPrototypeSums): eq. 1 and
+eq. 3 are weighted sums, sum_i n_i delta_i / sum_i n_i and, per class, sum_i a_ij y~_i,j /
+sum_i a_ij, so a relay pre-adds both and secure aggregation reveals only their totals;
+the server divides as it does over single updates (up to float64 rounding). A sum form
+has fixed shapes, so this holds where every update carries prototypes: with `every_round`
+True and `robust` "none" (`merges`); otherwise relays forward updates as they are and
+secure aggregation is refused.
 Global prototypes persist across aggregations; a class nobody sent keeps its
 previous prototype (only matters with `every_round` and partial participation:
 the paper has every client in its last round).
@@ -73,7 +80,8 @@ from fedbus.algorithms.base import (
     to_tensor,
 )
 from fedbus.algorithms.fedavg import FedAvgClient, FedAvgServer, swapped_weights
-from fedbus.algorithms.local import opt
+from fedbus.algorithms.local import opt, resolved_params
+from fedbus.algorithms.merge import DeltaAndPrototypeSums, weighted_sum
 from fedbus.algorithms.protos import (
     aggregate_prototypes,
     head_and_prototype_metrics,
@@ -96,6 +104,17 @@ class FedAvgProtoServer(FedAvgServer):
                            "client's own post-training model", choices=("global", "local")),
         **ROBUST_PARAMS,
     }
+    # eq. 1 and eq. 3 are both weighted sums: a relay pre-aggregates them and secure
+    # aggregation sums them (fedbus.algorithms.merge), where every round's updates carry
+    # prototypes (`merges`: every_round, and no robust rule)
+    MERGE = DeltaAndPrototypeSums()
+
+    @classmethod
+    def merges(cls, params: Mapping[str, Any]) -> bool:
+        """A sum form has fixed shapes, and without `every_round` only the last round's
+        updates carry prototypes: the others have no prototype half to sum (its shape
+        [C, D] is not in them), so such a run forwards every update as it is."""
+        return super().merges(params) and bool(resolved_params(cls, params)["every_round"])
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -122,8 +141,21 @@ class FedAvgProtoServer(FedAvgServer):
     def aggregate(self, updates: list[ClientUpdate], failures: list[Failure],
                   info: RoundInfo) -> dict[str, float]:
         metrics = super().aggregate(updates, failures, info)
-        with_protos = [u for u in updates if self._valid_protos(u)]
         rule = self.robust_rule()
+        if rule is None and any(u.members for u in updates):
+            # a merged update's "proto_sums" beside the single updates' prototypes, lifted
+            with_protos = [u for u in updates if u.members or self._valid_protos(u)]
+            total, _ = weighted_sum(with_protos, self.MERGE.protos, self.resolved_params())
+            if total is not None:
+                mass = total["mass"]
+                safe = np.where(mass > 0, mass, 1.0)[:, None]
+                mean = np.where(mass[:, None] > 0, total["sums"] / safe, 0.0)
+                self.protos, self.has = merge_prototypes(self.protos, self.has,
+                                                         mean.astype(np.float32), mass > 0, True)
+                metrics["proto_updates"] = float(sum(len(u.members) or 1 for u in with_protos))
+            metrics["classes"] = float(self.has.sum())
+            return metrics
+        with_protos = [u for u in updates if self._valid_protos(u)]
         if with_protos and rule is not None:
             out = Outcome()
             mean, present = rule.per_class(

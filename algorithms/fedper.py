@@ -19,6 +19,10 @@ averaged like FedAvg's). On the wire:
   a late or asynchronous update applies cleanly. The server applies FedAvg's rule
   (fedbus.algorithms.weights): body += sum_k s_k n_k delta_k / sum_k s_k n_k, s_k the
   engine's staleness weight 1/sqrt(1+staleness), n_k the client's training-set size.
+  That is a weighted sum, so FedPerServer declares DeltaSums as its merge rule
+  (fedbus.algorithms.merge): a relay pre-adds sum_k n_k delta_k and sum_k n_k, and secure
+  aggregation reveals only that sum; FedAvgServer.aggregate steps by the sums of merged
+  updates exactly as by the single ones (up to float64 rounding).
 
 Evaluation scores what FedPer's clients deploy: the *global* base with the client's
 *own* personalization layers (the eval task carries the global body, swapped in for
@@ -46,9 +50,11 @@ import numpy as np
 import torch
 
 from fedbus.algorithms import Algorithm
-from fedbus.algorithms.base import LocalRun, head_metrics, model_weights, to_tensor
+from fedbus.algorithms.base import (ClientUpdate, Failure, LocalRun, head_metrics,
+                                    model_weights, to_tensor)
 from fedbus.algorithms.fedavg import PARTIAL, FedAvgServer
 from fedbus.algorithms.local import LocalClient
+from fedbus.algorithms.merge import DeltaSums
 from fedbus.algorithms.split import body_names, head_names, head_prefix
 from fedbus.algorithms.weights import weights_spec
 
@@ -123,6 +129,15 @@ class SharedPartServer(FedAvgServer):
         self.weights = part_weights(model, self.part_map(model))
         self._weights_spec = weights_spec(self.weights)
 
+    def tolerated(self, updates: list[ClientUpdate],
+                  failures: list[Failure]) -> tuple[list[ClientUpdate], list[Failure]]:
+        """FedAvg's `partial` on the single updates; a merged update is kept whole: its sum
+        holds no partial work under "drop" (DeltaSums.lift keeps such an update apart at a
+        relay, and a securely masked one adds zeros), while its `work` is only its first
+        member's, which under secure aggregation may be a partial one."""
+        kept, failures = super().tolerated([u for u in updates if not u.members], failures)
+        return [*kept, *(u for u in updates if u.members)], failures
+
     def global_weights(self) -> dict[str, np.ndarray] | None:
         return {**self._initial, **self.weights}
 
@@ -152,7 +167,10 @@ class SharedPartClient(LocalClient):
 
 
 class FedPerServer(SharedPartServer):
-    pass
+    # the body's FedAvg rule is a weighted sum: a relay pre-aggregates it and secure
+    # aggregation sums it (fedbus.algorithms.merge); partial = drop keeps a partial update
+    # apart (DeltaSums.lift), as the flat path counts it a failure
+    MERGE = DeltaSums()
 
 
 class FedPerClient(SharedPartClient):

@@ -16,7 +16,8 @@ round, starting from the global representation phi^t and its own head:
 and the server averages the representations (FedAvg's sample weights). On the
 wire, as FedPer: task/eval {"weights": {name: array}} (the global body), update
 {"delta": {name: array}} (body minus the body sent), aggregated by FedAvg's rule
-body += sum_k s_k n_k delta_k / sum_k s_k n_k (s_k the engine's staleness weight).
+body += sum_k s_k n_k delta_k / sum_k s_k n_k (s_k the engine's staleness weight): a
+weighted sum, merged by DeltaSums at a relay and under secure aggregation, as FedPer's.
 
 Epochs and the engine: train.epochs (the engine's LocalRun) counts the *representation*
 epochs, so partial work, deadlines and time budgets are accounted for as for every
@@ -64,6 +65,7 @@ from fedbus.algorithms import Algorithm
 from fedbus.algorithms.base import LocalRun
 from fedbus.algorithms.fedper import SharedPartClient, SharedPartServer
 from fedbus.algorithms.local import opt
+from fedbus.algorithms.merge import DeltaSums
 from fedbus.algorithms.split import body_parameters, head_parameters
 
 
@@ -92,6 +94,8 @@ class FedRepServer(SharedPartServer):
                            "epochs of the representation (head frozen); the authors' scripts: "
                            "local_ep - local_rep_ep = 10", min=0),
     }
+    # the representation's FedAvg rule is FedPer's weighted sum (not inherited: declared)
+    MERGE = DeltaSums()
 
 
 class FedRepClient(SharedPartClient):

@@ -235,3 +235,70 @@ def members_of(updates: list[ClientUpdate]) -> list[ClientUpdate]:
     for u in updates:
         out.extend(u.members or (u,))
     return out
+
+
+class LogitSums(PrototypeSums):
+    """FD's server step (Jeong et al.; fedbus.algorithms.fd) in sum form, which folds like
+    FedProto's: a client's per-class mean output vectors "logits" [C, C] with "counts" [C]
+    give "sums"[k] = sum_i a_ik z_ik and "mass"[k] = sum_i a_ik, a_ik = counts_ik when
+    params["aggregate"] is "weighted", else [counts_ik > 0]; the server's vector of class
+    k is sums / mass. The sum form is PrototypeSums' (the server's checks of "sums" and a
+    per-class "mass" apply to it alike)."""
+
+    name = "logit-sums"
+
+    def lift(self, payload, num_samples, work, params, client=-1):
+        return super().lift({"protos": payload["logits"], "counts": payload["counts"]},
+                            num_samples, work, params, client)
+
+    def spec(self, handler):
+        c = handler.ctx.num_classes
+        return {"sums": ("float64", (c, c)), "mass": ("float64", (c,))}
+
+
+class _PrototypeHalf(PrototypeSums):
+    """The prototype half of DeltaAndPrototypeSums: a merged payload's "proto_sums", or a
+    single update's protos and counts lifted as PrototypeSums does."""
+
+    def form_of(self, payload):
+        return payload["proto_sums"]
+
+
+class DeltaAndPrototypeSums(DeltaSums):
+    """FedAvg-proto (Qiao et al.): eq. 1's weights as DeltaSums ("delta_sum", "mass") and eq.
+    3's prototypes as PrototypeSums beside them ("proto_sums": {"sums" [C, D], "mass" [C]},
+    by class counts when params["aggregate"] is "weighted"). Every update must carry its
+    prototypes (a fixed-shape sum form: its handler merges only where every round's
+    updates do); one without them is not merged (lift raises, so a relay forwards it)."""
+
+    name = "delta-sums+prototype-sums"
+    #: the prototype half alone (the server folds it beside DeltaSums' weights)
+    protos = _PrototypeHalf()
+
+    def lift(self, payload, num_samples, work, params, client=-1):
+        if "protos" not in payload or "counts" not in payload:
+            raise ValueError("an update without prototypes has no prototype sums")
+        form = super().lift(payload, num_samples, work, params, client)
+        if form is None:
+            return None
+        form["proto_sums"] = self.protos.lift(payload, num_samples, work, params, client)
+        return form
+
+    def spec(self, handler):
+        return {**super().spec(handler), "proto_sums": self.protos.spec(handler)}
+
+    def form_of(self, payload):
+        return {"delta_sum": payload["delta_sum"], "mass": payload["mass"],
+                "proto_sums": payload["proto_sums"]}
+
+    def check(self, payload, members):
+        # the server's check of "mass" covers the weights' half; the prototypes' per-class
+        # mass is a sum of counts (weighted) or of indicators (mean) over the members
+        mass = np.asarray(payload["proto_sums"]["mass"], dtype=np.float64)
+        limit = max(sum(int(m[2]) for m in members), len(members))
+        if mass.size and float(mass.min()) < 0:
+            return "the prototypes' mass is negative"
+        if mass.size and float(mass.max()) > limit * (1 + 1e-9):
+            return (f"the prototypes' mass {float(mass.max()):.6g} is more than the members' "
+                    f"samples allow ({limit})")
+        return None
