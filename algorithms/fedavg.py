@@ -64,9 +64,13 @@ PARTIAL = opt("tolerate", "a partial update (fewer epochs than asked): tolerate 
 
 def drop_partial(updates: list[ClientUpdate],
                  failures: list[Failure]) -> tuple[list[ClientUpdate], list[Failure]]:
-    """The complete updates, and the failures with every partial one added."""
-    kept = [u for u in updates if u.work.fraction >= 1.0]
-    dropped = [Failure(u.client, "partial") for u in updates if u.work.fraction < 1.0]
+    """The complete updates, and the failures with every partial one added. A merged
+    update is kept whole: its sum holds no partial work (DeltaSums.lift keeps such an update
+    apart at a relay, and under secure aggregation a partial client masks zeros), and its
+    partial members are counted as failed."""
+    kept = [u for u in updates if u.members or u.work.fraction >= 1.0]
+    dropped = [Failure(m.client, "partial") for u in updates for m in (u.members or (u,))
+               if m.work.fraction < 1.0]
     return kept, [*failures, *dropped]
 
 

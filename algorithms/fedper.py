@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from fedbus.algorithms import Algorithm
-from fedbus.algorithms.base import (ClientUpdate, Failure, LocalRun, head_metrics,
+from fedbus.algorithms.base import (LocalRun, head_metrics,
                                     model_weights, to_tensor)
 from fedbus.algorithms.fedavg import PARTIAL, FedAvgServer
 from fedbus.algorithms.local import LocalClient
@@ -128,15 +128,6 @@ class SharedPartServer(FedAvgServer):
         self._initial = model_weights(model)
         self.weights = part_weights(model, self.part_map(model))
         self._weights_spec = weights_spec(self.weights)
-
-    def tolerated(self, updates: list[ClientUpdate],
-                  failures: list[Failure]) -> tuple[list[ClientUpdate], list[Failure]]:
-        """FedAvg's `partial` on the single updates; a merged update is kept whole: its sum
-        holds no partial work under "drop" (DeltaSums.lift keeps such an update apart at a
-        relay, and a securely masked one adds zeros), while its `work` is only its first
-        member's, which under secure aggregation may be a partial one."""
-        kept, failures = super().tolerated([u for u in updates if not u.members], failures)
-        return [*kept, *(u for u in updates if u.members)], failures
 
     def global_weights(self) -> dict[str, np.ndarray] | None:
         return {**self._initial, **self.weights}

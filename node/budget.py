@@ -161,3 +161,36 @@ class PrivacyLedger:
         self.run.load_state_dict(state["run"])
         self.participations = {int(c): int(n) for c, n in state["participations"]}
         self.spent = {int(c) for c in state["spent"]}
+
+
+NOISE_SEED_FILE = "noise_seed"
+
+
+def run_noise_seed(run_dir: Any, *, create: bool) -> int:
+    """The server's secret seed of a run's client-level DP noise (privacy.dp_noise =
+    "secret"): 63 random bits from the OS, written once to RUN/noise_seed (mode 0600) and
+    never sent to any node, so no client can recompute the noise it adds to the global
+    model; `fedbus replay` and a resumed run read it back to redo the same noise."""
+    import os
+    import secrets
+    from pathlib import Path
+
+    path = Path(run_dir) / NOISE_SEED_FILE
+    if path.exists():
+        text = path.read_text().strip()
+        if not text.isdigit():
+            raise ValueError(f"{path} does not hold a seed (digits): {text[:20]!r}")
+        return int(text)
+    if not create:
+        raise FileNotFoundError(f"{path} is missing: the server's DP noise of this run "
+                                "cannot be redone without it")
+    seed = secrets.randbits(63)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{seed}\n")
+    return seed
+
+
+def uses_secret_server_noise(privacy: Mapping[str, Any]) -> bool:
+    return privacy.get("dp") == "client" and privacy.get("dp_noise", "secret") == "secret"
+

@@ -14,6 +14,7 @@ import copy
 import heapq
 import itertools
 import os
+import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -301,6 +302,10 @@ def dp_release(handler: ClientHandler, payload: dict[str, Any], privacy: dict[st
 
     if mechanism == "record":
         ctx = handler.ctx
+        if privacy.get("dp_noise", "secret") == "secret":
+            # the task seed is derivable by the server and every node: noise drawn from it
+            # could be recomputed and removed
+            seed = secrets.randbits(63)
         release = dp.dp_prototypes(ctx.model, ctx.train_x, ctx.train_y, ctx.num_classes,
                                    float(privacy["dp_clip"]),
                                    float(privacy["dp_noise_multiplier"]), seed)

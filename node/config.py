@@ -158,11 +158,12 @@ SCHEMA: dict[str, dict[str, Opt]] = {
                               min=0.0),
         "dp_accountant": Opt("rdp", "dp: the dp-accounting accountant (rdp or pld)",
                              ("rdp", "pld")),
-        # privacy.dp = sgd (fedbus.node.dp_sgd)
-        "dp_sgd_secret": Opt(False, "dp = sgd: draw DP-SGD's batches and noise from the "
-                             "client's OS entropy instead of the task seed, which the server "
-                             "and every node can derive (and so recompute the noise); the "
-                             "client's training is then not reproducible"),
+        "dp_noise": Opt("secret", "dp: where the noise comes from: secret (the client's OS "
+                        "entropy; the server's own secret seed, kept in RUN/noise_seed, for "
+                        "client-level noise), or seeded (from the run's seed, which the "
+                        "server and every node know: reproducible, but whoever knows the "
+                        "seed can recompute and remove the noise, so the guarantee does "
+                        "not hold against them: for simulations)", ("secret", "seeded")),
     },
     "security": {
         "max_proto_norm": Opt(0.0, "the server refuses an uploaded prototype longer than this "

@@ -80,7 +80,7 @@ What is not protected.
   Classification only: dense (segmentation) labels are refused (one image is many pixels).
 - sgd: the batches and the noise come from the task seed, which the server (and any node,
   from the run's federation.seed) knows and could recompute them from, unless
-  privacy.dp_sgd_secret draws them from the client's OS (fedbus.node.dp_sgd); the
+  privacy.dp_noise = "secret" draws them from the client's OS (fedbus.node.dp_sgd); the
   network's BatchNorm layers (refused) and anything the client computes outside
   LocalClient.run_local are not covered.
 - Client level: nothing against the server, which sees each clipped delta before noising

@@ -48,7 +48,7 @@ Seeds: the batches and the noise come from the task seed (mixed with a tag), so 
 task is reproducible (`fedbus replay --client`). The task seed is chosen by the server
 and derived from federation.seed, which every node's config holds: whoever knows it can
 recompute the noise of every step and the batches, which voids the guarantee against
-them. privacy.dp_sgd_secret = true draws both from the operating system's entropy instead
+them. privacy.dp_noise = "secret" (the default) draws both from the operating system's entropy instead
 (a secret of the client's; its training is then not reproducible).
 """
 from __future__ import annotations
@@ -269,7 +269,7 @@ def run_dp_sgd(handler: Any, run: Any) -> float:
     privacy = ctx.extra["privacy"]
     n = len(ctx.train_y)
     q, _ = task_sampling(n, int(ctx.train["batch_size"]), run.epochs)
-    sample_seed, noise_seed = _seeds(run.seed, bool(privacy.get("dp_sgd_secret", False)))
+    sample_seed, noise_seed = _seeds(run.seed, privacy.get("dp_noise", "secret") == "secret")
     sampler_gen = torch.Generator().manual_seed(sample_seed)
     noise_gen = torch.Generator(device=ctx.device).manual_seed(noise_seed)
     ctx.model.train()

@@ -250,6 +250,10 @@ class Engine:
         self.start_time: float | None = None
         self.done = False
         self.stopped = ""  # why the run ended before its rounds, if it did
+        # The seed of the server's DP noise: the run's seed ("seeded", which every node
+        # knows), unless the shell sets the run's secret one (privacy.dp_noise = "secret":
+        # fedbus.node.budget.run_noise_seed)
+        self.noise_seed = int(self.fed.seed)
         self.records: list[dict[str, Any]] = []  # metrics, drained by the shell
         # Labelled units per training sample (1; H * W pixels for segmentation masks): the
         # shell's bound on an update's per-class counts (fedbus.node.validate).
@@ -866,11 +870,11 @@ class Engine:
         return self._finish(now) if not self.evals else []
 
     def _dp_noised(self, form: dict[str, Any]) -> dict[str, Any]:
-        """Client-level DP: N(0, (z C)^2) on the round's sum of clipped deltas (seeded by
-        the run's seed and the version: a replay draws the same)."""
+        """Client-level DP: N(0, (z C)^2) on the round's sum of clipped deltas, drawn from
+        noise_seed and the version (a replay that has the seed draws the same)."""
         from fedbus.node.dp import gaussian_like
 
-        seed = int(np.random.SeedSequence([self.fed.seed, 0xD9, self.version])
+        seed = int(np.random.SeedSequence([self.noise_seed, 0xD9, self.version])
                    .generate_state(1)[0])
         noise = gaussian_like(form["delta_sum"], self.ledger.noise_std(), seed)
         return {**form, "delta_sum": _tree_add(form["delta_sum"], noise)}

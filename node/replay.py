@@ -23,6 +23,7 @@ import torch
 
 from fedbus.broker.wire import (DEFAULT_MAX_FRAME, Message, WireError, decode, decode_body,
                                 encode_body)
+from fedbus.node.budget import run_noise_seed, uses_secret_server_noise
 from fedbus.node.config import Config, build_config
 from fedbus.node.engine import Engine, Out, Refusal, client_address, count_params
 from fedbus.node.msglog import LogCorrupt, Record, read_log
@@ -113,6 +114,9 @@ def replay_server(run_dir: str | Path, *, until_round: int | None = None) -> Rep
     torch.set_num_threads(1)
     cfg, run_id = load_run(run_dir)
     engine = build_engine(cfg, run_id)
+    secret_noise = uses_secret_server_noise(cfg.privacy)
+    if secret_noise:
+        engine.noise_seed = run_noise_seed(run_dir, create=False)
     max_frame = max(int(cfg.bus.max_frame_mb) << 20, DEFAULT_MAX_FRAME)
     records = list(read_log(run_dir))
     pending: list[Out] = []
@@ -149,7 +153,9 @@ def replay_server(run_dir: str | Path, *, until_round: int | None = None) -> Rep
         elif rec.direction == "tick":
             pending = engine.on_tick(rec.time)
         elif rec.direction == "resume":
+            seed = engine.noise_seed
             engine = build_engine(cfg, run_id)
+            engine.noise_seed = seed
             engine.load_state_dict(decode_body(rec.frames[1],
                                                max_frame=max(len(rec.frames[1]), 1)))
         pending = [o for o in pending if o.kind != "error"]  # answers: never logged

@@ -4,8 +4,9 @@ fedbus.node.secagg holds the cryptography (SecAgg+: keys, shares, masks, unmaski
 module holds what the engine needs around it for one round, and the one sum form a client
 masks. The server learns only the sum, over the round's surviving clients, of the sum form
 its algorithm declares (fedbus.algorithms.merge: prototype sums and class masses for
-FedProto, sample-weighted weight deltas and the sample total for FedAvg/FedProx), the sum
-a relay pre-adds in the clear when secure aggregation is off.
+FedProto, logit sums for FD, sample-weighted weight deltas and the sample total for
+FedAvg/FedProx and FedPer/FedRep's shared part, both for fedavg-proto with every_round),
+the sum a relay pre-adds in the clear when secure aggregation is off.
 
 A round, message by message (kind "secagg", its body's "step"; PROTOCOL.md §12):
 
@@ -132,9 +133,14 @@ def secagg_refusal(cfg: Any) -> str | None:
         return (f"privacy.secure_aggregation: {name}'s server needs each client's prototypes "
                 "beside the summed weights")
     if rule is None:
-        why = "its robust rule (algorithm.robust) needs every update apart" \
-            if server_cls.__dict__.get("MERGE") is not None else \
-            "it declares no sum its server step is made of (ServerHandler.MERGE)"
+        if server_cls.__dict__.get("MERGE") is None:
+            why = "it declares no sum its server step is made of (ServerHandler.MERGE)"
+        elif params.get("robust", "none") != "none":
+            why = "its robust rule (algorithm.robust) needs every update apart"
+        else:
+            why = ("with these [algorithm] options its server step is no fixed-shape sum "
+                   f"({server_cls.__name__}.merges; e.g. fedavg-proto needs every_round = "
+                   "true)")
         return f"privacy.secure_aggregation: {name} cannot aggregate a sum only: {why}"
     return None
 

@@ -22,6 +22,7 @@ from fedbus.broker.log import get_logger
 from fedbus.broker.peer import Peer
 from fedbus.broker.wire import BROKER, Message, decode_body, encode_body
 from fedbus.models import describe_group
+from fedbus.node.budget import run_noise_seed, uses_secret_server_noise
 from fedbus.node.config import Config, ConfigError
 from fedbus.node.engine import (SERVER, Engine, Out, Refusal, client_address, client_index,
                                 count_params)
@@ -314,6 +315,8 @@ class ServerNode:
         self.run_id = self._run_id(run_id)
         self.broker = broker
         self.engine = build_engine(cfg, self.run_id)
+        if uses_secret_server_noise(cfg.privacy):
+            self.engine.noise_seed = run_noise_seed(self.run.path, create=True)
         if cfg.log.ffd_reference:  # analysis metric, not part of the replayed mathematics
             from fedbus.node.ffd import FeatureDiscrepancy
 

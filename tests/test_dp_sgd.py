@@ -153,7 +153,7 @@ def _ctx(model, x, y, *, batch=8, algorithm=None, dp="sgd", z=1.0, clip=1.0, sec
                                 "weight_decay": 0.0, "epochs": 1},
                          extra={"privacy": {"dp": dp, "dp_clip": clip,
                                             "dp_noise_multiplier": z,
-                                            "dp_sgd_secret": secret}})
+                                            "dp_noise": "secret" if secret else "seeded"}})
 
 
 def test_fedprox_keeps_its_proximal_term_under_dp_sgd():
