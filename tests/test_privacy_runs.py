@@ -180,3 +180,48 @@ def test_client_level_epsilon_composes_the_subsampled_rounds_as_the_library_does
     assert engine.done and engine.stopped == "privacy budget" and engine.version == 2
     assert any(e["event"] == "privacy_budget_exhausted" for e in engine.events)
 
+
+
+def test_secret_noise_is_not_the_seeds_and_the_servers_seed_stays_in_the_run_dir(tmp_path):
+    import os
+    import stat
+
+    sections = merged(SMALL, algorithm={"name": "fedavg"},
+                      federation={"clients": 4, "rounds": 2},
+                      privacy={"dp": "client", "dp_clip": 1.0, "dp_noise_multiplier": 1.0})
+    run, _ = run_federation(tmp_path, sections)
+    seed_file = run / "noise_seed"
+    seed = seed_file.read_text().strip()
+    assert seed.isdigit() and stat.S_IMODE(os.stat(seed_file).st_mode) == 0o600
+    # never sent: not in the config every node gets, nor in any logged message
+    assert seed not in (run / "config.json").read_text()
+    assert seed.encode() not in (run / "messages.bin").read_bytes()
+    out = fedbus("replay", str(run), timeout=240)
+    assert "replay identical" in out.stdout, out.stdout + out.stderr
+    seed_file.unlink()  # without it the server's noise cannot be redone: said, not guessed
+    out = fedbus("replay", str(run), timeout=240, check=False)
+    assert out.returncode != 0 and "noise_seed is missing" in out.stdout + out.stderr
+
+
+def test_record_level_noise_is_drawn_from_the_os_unless_seeded():
+    import types
+
+    import torch
+    from sklearn.datasets import load_digits
+
+    from fedbus.node.client_host import dp_release
+
+    digits = load_digits()
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.features = torch.nn.Linear(64, 16)  # what dp_prototypes reads of a model
+    ctx = types.SimpleNamespace(model=model, num_classes=10,
+                                train_x=torch.as_tensor(digits.data[:300], dtype=torch.float32),
+                                train_y=torch.as_tensor(digits.target[:300]))
+    handler = types.SimpleNamespace(ctx=ctx)
+    privacy = {"dp": "record", "dp_clip": 1.0, "dp_noise_multiplier": 1.0}
+    out = {mode: [dp_release(handler, {}, {**privacy, "dp_noise": mode}, 7)["protos"]
+                  for _ in range(2)] for mode in ("secret", "seeded")}
+    assert np.array_equal(*out["seeded"])  # the task seed's draws: reproducible
+    assert not np.array_equal(*out["secret"])  # the OS's: not the seed's, not each other
+    assert not np.array_equal(out["secret"][0], out["seeded"][0])
