@@ -15,7 +15,6 @@ initialised before a fork cannot be used in the child; see `start_method`).
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -26,18 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-
-def die_with_parent(name: str | None = None) -> None:
-    """PR_SET_PDEATHSIG: SIGTERM when the launcher dies, however it dies. With a
-    name, also PR_SET_NAME, so that ps and top tell forked processes apart (they
-    share the launcher's command line)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)
-        if name:
-            libc.prctl(15, name.encode()[:15], 0, 0, 0)
-    except OSError:
-        pass
+# die_with_parent lives in node (a relay's site broker uses it too); re-exported here
+from fedbus.node.lifetime import die_with_parent
 
 
 def start_method(asked: str, devices: list[str]) -> str:

@@ -433,7 +433,7 @@ def spawn_site_broker(bind: str, *, heartbeat_s: float, liveness: int, max_frame
                       keys_dir: str | None, insecure: bool, log_file: str | None
                       ) -> subprocess.Popen:
     """The site's broker as a child process (`fedbus broker`), which dies with the relay."""
-    from fedbus.launch.processes import die_with_parent
+    from fedbus.node.lifetime import die_with_parent
 
     cmd = [sys.executable, "-m", "fedbus.launch", "broker", "--bind", bind,
            "--heartbeat-s", str(heartbeat_s), "--liveness", str(liveness),
