@@ -9,6 +9,8 @@ import sys
 # add_arguments(parser) and main(args) -> int.
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("run_cmd", "run a whole federation on this machine (broker, server, nodes)"),
+    "algorithms": ("algorithms_cmd", ("list the algorithms: paper, what clients upload, "
+                                      "options (NAME: every option of one)")),
     "broker": ("broker_cmd", "start the message broker"),
     "server": ("server_cmd", "start the server node for a config"),
     "node": ("node_cmd", "start a client node hosting some clients"),
@@ -18,9 +20,31 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("replay_cmd", "re-run a run's server (or one client) from its message log"),
     "log": ("log_cmd", "print a run's message timeline"),
     "plot": ("plot_cmd", "plot one or more runs"),
-    "bench": ("bench_cmd", "benchmarks: startup, broker, rounds, stragglers, accuracy, reproduce, attack"),
+    "bench": ("bench_cmd", "benchmarks: {names}"),
     "keygen": ("keygen_cmd", "write a CurveZMQ keypair"),
 }
+
+# sub-command -> the registry (module under fedbus.launch, attribute) of what its help
+# lists: "{names}" in its help is filled from it, so the listing cannot drift from what
+# the sub-command accepts. The module must be cheap to import (no torch).
+LISTS: dict[str, tuple[str, str]] = {
+    "bench": ("bench_cmd", "BENCHES"),
+}
+
+
+def command_help(name: str) -> str:
+    """A sub-command's one-line help, its "{names}" filled from LISTS."""
+    help_text = COMMANDS[name][1]
+    if name not in LISTS:
+        return help_text
+    registry_module, attribute = LISTS[name]
+    try:
+        names = getattr(importlib.import_module(f"fedbus.launch.{registry_module}"), attribute)
+    except ModuleNotFoundError as err:  # not in this build: `fedbus NAME` says so
+        if err.name != f"fedbus.launch.{registry_module}":
+            raise
+        return help_text.replace(": {names}", "")
+    return help_text.format(names=", ".join(names))
 
 
 # optional package -> the extra that installs it
@@ -64,7 +88,8 @@ def build_parser(command: str | None = None,
     parser = argparse.ArgumentParser(prog="fedbus", description=__doc__)
     parser.add_argument("--version", action=_Version, help="print fedbus's version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module, help_text) in COMMANDS.items():
+    for name, (module, _) in COMMANDS.items():
+        help_text = command_help(name)
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name != command:
             continue

@@ -35,7 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"],
                    help="level of the processes' logs in RUN/logs (default: log.level)")
     p.add_argument("--help-config", action="store_true",
-                   help="list every config key with its default, then exit")
+                   help="list every config key with its default, and under [algorithm] the "
+                   "parameters of the algorithm CONFIG or --set algorithm.name chooses "
+                   "(else the default's), then exit")
 
 
 def free_port() -> int:
@@ -62,10 +64,9 @@ def cause(log: Path) -> str:
 
 def main(args: argparse.Namespace) -> int:
     if args.help_config:
-        from fedbus.node.config import describe_options
+        from fedbus.launch.algorithms_cmd import help_config
 
-        print(describe_options())
-        return 0
+        return help_config(args)
     cfg = config_from_args(args)
     if cfg is None:
         return 2
