@@ -92,8 +92,8 @@ from fedbus.algorithms import Algorithm
 from fedbus.algorithms.base import (ClientUpdate, Failure, LocalRun, RoundInfo, ServerHandler,
                                     to_tensor)
 from fedbus.algorithms.local import LocalClient, Params, opt, staleness_metrics
-from fedbus.algorithms.merge import LogitSums, weighted_sum
-from fedbus.algorithms.protos import aggregate_prototypes, class_sums, merge_prototypes
+from fedbus.algorithms.merge import LogitSums
+from fedbus.algorithms.protos import class_sums, fold_prototypes
 
 DISTILL_LOSSES = ("paper", "softmax", "raw")
 
@@ -173,24 +173,10 @@ class FDServer(Params, ServerHandler):
     def aggregate(self, updates: list[ClientUpdate], failures: list[Failure],
                   info: RoundInfo) -> dict[str, float]:
         metrics = staleness_metrics(updates, failures)
-        if any(u.members for u in updates):  # a relay's (or secure aggregation's) sums
-            total, _ = weighted_sum(updates, self.MERGE, self.resolved_params())
-            mass = total["mass"]
-            safe = np.where(mass > 0, mass, 1.0)[:, None]
-            mean = np.where(mass[:, None] > 0, total["sums"] / safe, 0.0).astype(np.float32)
-            received = mass > 0
-            self.logits, self.has = merge_prototypes(self.logits, self.has, mean, received,
-                                                     bool(self.param("keep_missing")))
-            metrics["classes_received"] = float(received.sum())
-        elif updates:
-            mean, mass = aggregate_prototypes(
-                np.stack([np.asarray(u.payload["logits"]) for u in updates]),
-                np.stack([np.asarray(u.payload["counts"]) for u in updates]),
-                np.array([u.weight for u in updates], dtype=np.float64),
-                by_count=self.param("aggregate") == "weighted")
-            received = mass > 0
-            self.logits, self.has = merge_prototypes(self.logits, self.has, mean, received,
-                                                     bool(self.param("keep_missing")))
+        if updates:  # single updates, or a relay's (or secure aggregation's) sums among them
+            self.logits, self.has, received = fold_prototypes(
+                self.logits, self.has, updates, self.MERGE, self.resolved_params(), key="logits",
+                keep_missing=bool(self.param("keep_missing")))
             metrics["classes_received"] = float(received.sum())
         metrics["global_classes"] = float(self.has.sum())
         return metrics

@@ -81,12 +81,11 @@ from fedbus.algorithms.base import (
 )
 from fedbus.algorithms.fedavg import FedAvgClient, FedAvgServer, swapped_weights
 from fedbus.algorithms.local import opt, resolved_params
-from fedbus.algorithms.merge import DeltaAndPrototypeSums, weighted_sum
+from fedbus.algorithms.merge import DeltaAndPrototypeSums
 from fedbus.algorithms.protos import (
-    aggregate_prototypes,
+    fold_prototypes,
     head_and_prototype_metrics,
     local_prototypes,
-    merge_prototypes,
     prototype_metrics,
 )
 from fedbus.algorithms.robust import ROBUST_PARAMS, Outcome, report
@@ -142,36 +141,18 @@ class FedAvgProtoServer(FedAvgServer):
                   info: RoundInfo) -> dict[str, float]:
         metrics = super().aggregate(updates, failures, info)
         rule = self.robust_rule()
-        if rule is None and any(u.members for u in updates):
-            # a merged update's "proto_sums" beside the single updates' prototypes, lifted
-            with_protos = [u for u in updates if u.members or self._valid_protos(u)]
-            total, _ = weighted_sum(with_protos, self.MERGE.protos, self.resolved_params())
-            if total is not None:
-                mass = total["mass"]
-                safe = np.where(mass > 0, mass, 1.0)[:, None]
-                mean = np.where(mass[:, None] > 0, total["sums"] / safe, 0.0)
-                self.protos, self.has = merge_prototypes(self.protos, self.has,
-                                                         mean.astype(np.float32), mass > 0, True)
-                metrics["proto_updates"] = float(sum(len(u.members) or 1 for u in with_protos))
-            metrics["classes"] = float(self.has.sum())
-            return metrics
-        with_protos = [u for u in updates if self._valid_protos(u)]
-        if with_protos and rule is not None:
+        # eq. 3 over the updates with prototypes, a merged update's "proto_sums" among them
+        # (merged updates come only without a robust rule), or per class the robust rule
+        with_protos = [u for u in updates
+                       if (u.members and rule is None) or self._valid_protos(u)]
+        if with_protos:
             out = Outcome()
-            mean, present = rule.per_class(
-                np.stack([np.asarray(u.payload["protos"]) for u in with_protos]),
-                np.stack([np.asarray(u.payload["counts"]) for u in with_protos]) > 0, out)
-            self.protos, self.has = merge_prototypes(self.protos, self.has, mean, present, True)
-            metrics["proto_updates"] = float(len(with_protos))
-            report(metrics, rule, out, [u.client for u in with_protos], prefix="proto_")
-        elif with_protos:
-            mean, mass = aggregate_prototypes(
-                np.stack([np.asarray(u.payload["protos"]) for u in with_protos]),
-                np.stack([np.asarray(u.payload["counts"]) for u in with_protos]),
-                np.array([u.weight for u in with_protos], dtype=np.float64),
-                by_count=self.param("aggregate") == "weighted")
-            self.protos, self.has = merge_prototypes(self.protos, self.has, mean, mass > 0, True)
-            metrics["proto_updates"] = float(len(with_protos))
+            self.protos, self.has, _ = fold_prototypes(
+                self.protos, self.has, with_protos, self.MERGE.protos, self.resolved_params(),
+                robust=rule, outcome=out)
+            metrics["proto_updates"] = float(sum(len(u.members) or 1 for u in with_protos))
+            if rule is not None:
+                report(metrics, rule, out, [u.client for u in with_protos], prefix="proto_")
         metrics["classes"] = float(self.has.sum())
         return metrics
 

@@ -109,14 +109,14 @@ from fedbus.algorithms import Algorithm
 from fedbus.algorithms.base import (ClientUpdate, Failure, LocalRun, RoundInfo, ServerHandler,
                                     to_tensor)
 from fedbus.algorithms.local import LocalClient, Params, opt, staleness_metrics
-from fedbus.algorithms.merge import PrototypeSums, weighted_sum
-from fedbus.algorithms.protos import (aggregate_prototypes, class_counts, class_means, class_sums,
+from fedbus.algorithms.merge import PrototypeSums
+from fedbus.algorithms.protos import (class_counts, class_means, class_sums, fold_prototypes,
                                       head_and_prototype_metrics, local_prototypes,
-                                      merge_prototypes, pixel_samples)
-from fedbus.algorithms.robust import (ROBUST_PARAMS, Outcome, Robust, RobustRule, no_merged,
-                                      report)
+                                      pixel_samples)
+from fedbus.algorithms.robust import ROBUST_PARAMS, Outcome, Robust, report
 
-# Declarations other modules import (FedTGP did); FedProto's PARAMS use them too.
+# FedProto's PARAMS entries for the client's two readings, declared apart so that the tests
+# can check their defaults on their own.
 PROTO_LOSS = opt("mse", "client regulariser: mse = App. B eq. 1 and the reference code "
                  "(per-sample MSE to the class's global prototype); eq8 = eq. 8 read literally "
                  "(sum over classes of the L2 distance between batch class means and global "
@@ -162,42 +162,18 @@ class FedProtoServer(Robust, Params, ServerHandler):
     def aggregate(self, updates: list[ClientUpdate], failures: list[Failure],
                   info: RoundInfo) -> dict[str, float]:
         metrics = staleness_metrics(updates, failures)
-        rule = self.robust_rule()
-        if rule is not None:
-            if updates:
-                self.aggregate_robust(updates, rule, metrics)
-        elif any(u.members for u in updates):  # a relay's pre-aggregated sums among them
-            total, _ = weighted_sum(updates, self.MERGE, self.resolved_params())
-            mass = total["mass"]
-            safe = np.where(mass > 0, mass, 1.0)[:, None]
-            mean = np.where(mass[:, None] > 0, total["sums"] / safe, 0.0).astype(np.float32)
-            self.protos, self.has = merge_prototypes(self.protos, self.has, mean, mass > 0,
-                                                     bool(self.param("keep_missing")))
-            metrics["classes_received"] = float((mass > 0).sum())
-        elif updates:
-            mean, mass = aggregate_prototypes(
-                np.stack([np.asarray(u.payload["protos"]) for u in updates]),
-                np.stack([np.asarray(u.payload["counts"]) for u in updates]),
-                np.array([u.weight for u in updates], dtype=np.float64),
-                by_count=self.param("aggregate") == "weighted")
-            self.protos, self.has = merge_prototypes(self.protos, self.has, mean, mass > 0,
-                                                     bool(self.param("keep_missing")))
-            metrics["classes_received"] = float((mass > 0).sum())
+        if updates:
+            # eq. 6 over the updates (or a relay's pre-aggregated sums among them), or per
+            # class the robust rule over its holders' prototypes
+            rule, out = self.robust_rule(), Outcome()
+            self.protos, self.has, received = fold_prototypes(
+                self.protos, self.has, updates, self.MERGE, self.resolved_params(),
+                keep_missing=bool(self.param("keep_missing")), robust=rule, outcome=out)
+            metrics["classes_received"] = float(received.sum())
+            if rule is not None:
+                report(metrics, rule, out, [u.client for u in updates])
         metrics["classes"] = float(self.has.sum())
         return metrics
-
-    def aggregate_robust(self, updates: list[ClientUpdate], rule: RobustRule,
-                         metrics: dict[str, Any]) -> None:
-        """PARAM robust: per class, the rule over its holders' prototypes."""
-        no_merged(updates, rule)
-        out = Outcome()
-        mean, present = rule.per_class(
-            np.stack([np.asarray(u.payload["protos"]) for u in updates]),
-            np.stack([np.asarray(u.payload["counts"]) for u in updates]) > 0, out)
-        self.protos, self.has = merge_prototypes(self.protos, self.has, mean, present,
-                                                 bool(self.param("keep_missing")))
-        metrics["classes_received"] = float(present.sum())
-        report(metrics, rule, out, [u.client for u in updates])
 
     def update_spec(self) -> dict[str, tuple[str, tuple[int | None, ...]]]:
         c, d = self.ctx.num_classes, self.ctx.feature_dim
@@ -212,8 +188,8 @@ class FedProtoServer(Robust, Params, ServerHandler):
 
 
 class FedProtoClient(LocalClient):
-    """CE + lam * prototype regulariser; uploads per-class mean features.
-    Subclasses (FedTGP) override `configure` and `update_payload`."""
+    """CE + lam * prototype regulariser (eq. 7); uploads per-class mean features (eq. 3)
+    with the class counts eq. 6 weighs by; nearest-prototype inference (eq. 4)."""
 
     PARAMS: ClassVar[dict[str, Any]] = FedProtoServer.PARAMS
 
@@ -229,9 +205,6 @@ class FedProtoClient(LocalClient):
         self._sums, self._seen = self._zero_sums()
         self._done: tuple[torch.Tensor, torch.Tensor] | None = None
         self._step, self._epoch, self._per_epoch = 0, 0, 1
-        self.configure()
-
-    def configure(self) -> None:
         self.lam = float(self.param("lam"))
         self.proto_loss = self.param("proto_loss")
         self.proto_source = self.param("proto_source")
@@ -256,7 +229,7 @@ class FedProtoClient(LocalClient):
             protos, counts = self.local_protos()
         finally:
             self._global = self._has = None
-        return self.update_payload(protos, counts)
+        return {"protos": protos, "counts": counts}
 
     def _zero_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
         d = self._global.shape[1] if self._global is not None else self.ctx.feature_dim
@@ -278,9 +251,6 @@ class FedProtoClient(LocalClient):
         self._sums += s
         self._seen += n
         self._step += 1
-
-    def update_payload(self, protos: np.ndarray, counts: np.ndarray) -> dict[str, Any]:
-        return {"protos": protos, "counts": counts}
 
     def batch_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         model = self.ctx.model

@@ -23,10 +23,21 @@ and mIoU (fedbus.algorithms.base.head_metrics), so "proto_acc"/"proto_miou" and
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import numpy as np
 import torch
 
-from fedbus.algorithms.base import HeadScores, confusion_matrix, dense_scores, head_metrics
+from fedbus.algorithms.base import (
+    ClientUpdate,
+    HeadScores,
+    confusion_matrix,
+    dense_scores,
+    head_metrics,
+)
+from fedbus.algorithms.merge import PrototypeSums, weighted_sum
+from fedbus.algorithms.robust import Outcome, RobustRule, no_merged
 
 
 def is_dense(labels: torch.Tensor) -> bool:
@@ -183,9 +194,15 @@ def aggregate_prototypes(protos: np.ndarray, counts: np.ndarray,
     w = np.ones(p.shape[0]) if weights is None else np.asarray(weights, dtype=np.float64)
     a = np.where(n > 0, n if by_count else 1.0, 0.0) * w[:, None]
     mass = a.sum(axis=0)
-    total = (a[:, :, None] * p).sum(axis=0)
-    mean = np.where(mass[:, None] > 0, total / np.where(mass > 0, mass, 1.0)[:, None], 0.0)
-    return mean.astype(np.float32), mass
+    return prototype_means((a[:, :, None] * p).sum(axis=0), mass), mass
+
+
+def prototype_means(sums: np.ndarray, mass: np.ndarray) -> np.ndarray:
+    """float32 [C, D]: sums [C, D] / mass [C] per class, zero rows where mass is 0 (the
+    division of aggregate_prototypes and of a merge rule's summed form alike)."""
+    mass = np.asarray(mass, dtype=np.float64)
+    mean = np.where(mass[:, None] > 0, sums / np.where(mass > 0, mass, 1.0)[:, None], 0.0)
+    return mean.astype(np.float32)
 
 
 def merge_prototypes(old: np.ndarray, old_has: np.ndarray, new: np.ndarray,
@@ -202,6 +219,55 @@ def merge_prototypes(old: np.ndarray, old_has: np.ndarray, new: np.ndarray,
         has = new_has.copy()
         protos = np.where(new_has[:, None], new, 0.0)
     return np.asarray(protos, dtype=np.float32), has
+
+
+def fold_prototypes(old: np.ndarray, old_has: np.ndarray, updates: list[ClientUpdate],
+                    merge: PrototypeSums, params: Mapping[str, Any], key: str = "protos",
+                    keep_missing: bool = True, robust: RobustRule | None = None,
+                    outcome: Outcome | None = None
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One aggregation's per-class vectors folded into the global ones (FedProto's eq. 6,
+    FD's per-class mean logits, FedAvg-proto's eq. 3). Returns (global float32 [C, D],
+    has bool [C], received bool [C]: the classes this aggregation gave a value), new
+    arrays (old and old_has are not written).
+
+    `updates` (at least one) carry payload[key] [C, D] (client i's class means p_ik:
+    "protos", FD's "logits") and payload["counts"] [C] (0 = class absent), or are merged
+    (u.members: a relay's or secure aggregation's sum form of `merge`). Per class k:
+    - robust None, single updates only: aggregate_prototypes over the payloads with the
+      engine's staleness weights w_i, sum_i a_ik p_ik / sum_i a_ik in float64, a_ik = w_i
+      |D_i,k| where `merge` weighs by count under `params` (params[merge.by_count_param]
+      == merge.by_count_value, the option merge.lift reads: "aggregate" = "weighted"),
+      else w_i [|D_i,k| > 0]; received where the mass sum_i a_ik > 0;
+    - robust None, a merged update among them: prototype_means of weighted_sum(updates,
+      merge, params), sum_e w_e (sums_e, mass_e) over merged payloads as they are and
+      single ones lifted: the same mean up to float64 rounding ((a p) w against (a w) p;
+      bit for bit where every w is 1);
+    - robust a RobustRule: robust.per_class over the payloads of the clients that hold k
+      (counts > 0), unweighted, `outcome` filled; a merged update raises (no_merged).
+    The received classes then replace their global row; the others keep theirs
+    (keep_missing) or are dropped (merge_prototypes)."""
+    if not updates:
+        raise ValueError("no update to fold into the global prototypes")
+    if robust is not None:
+        no_merged(updates, robust)
+        new, received = robust.per_class(_stacked(updates, key),
+                                         _stacked(updates, "counts") > 0, outcome)
+    elif any(u.members for u in updates):
+        total, _ = weighted_sum(updates, merge, params)
+        new, received = prototype_means(total["sums"], total["mass"]), total["mass"] > 0
+    else:
+        by_count = params.get(merge.by_count_param) == merge.by_count_value
+        new, mass = aggregate_prototypes(_stacked(updates, key), _stacked(updates, "counts"),
+                                         np.array([u.weight for u in updates], dtype=np.float64),
+                                         by_count=by_count)
+        received = mass > 0
+    protos, has = merge_prototypes(old, old_has, new, received, keep_missing)
+    return protos, has, received
+
+
+def _stacked(updates: list[ClientUpdate], key: str) -> np.ndarray:
+    return np.stack([np.asarray(u.payload[key]) for u in updates])
 
 
 @torch.inference_mode()
