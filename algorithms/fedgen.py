@@ -95,7 +95,8 @@ from torch import nn
 from fedbus.algorithms import Algorithm
 from fedbus.algorithms.base import (ClientUpdate, Failure, LocalRun, RoundInfo, ServerHandler,
                                     to_tensor)
-from fedbus.algorithms.fedgh import head_module, header_weights, load_header, score_both_heads
+from fedbus.algorithms.fedgh import (head_module, header_weights, load_header, score_both_heads,
+                                    server_batch_size, server_training_params)
 from fedbus.algorithms.local import LocalClient, Params, opt, staleness_metrics
 
 
@@ -154,10 +155,8 @@ class FedGenServer(Params, ServerHandler):
                           min=0),
         "generator_lr": opt(0.1, "generator Adam learning rate (FedTGP's appendix; HtFLlib "
                             "0.005)", min=0.0),
-        "server_epochs": opt(100, "generator steps per aggregation (FedTGP's appendix, "
-                             "HtFLlib)", min=0),
-        "server_batch_size": opt(0, "labels per generator step (0 = train.batch_size, as "
-                                 "HtFLlib; at least 2)", min=0),
+        **server_training_params("labels", epochs=(100, "FedTGP's appendix, HtFLlib"),
+                                 batch_size=(0, "as HtFLlib; at least 2"), sampled=True),
         "teacher": opt("ensemble", "generator loss: ensemble = CE of the label-weighted "
                        "ensemble of the heads' logits (paper, HtFLlib); clients = sum of "
                        "the heads' label-weighted CEs (authors' code)",
@@ -226,7 +225,7 @@ class FedGenServer(Params, ServerHandler):
         heads = [{k: torch.tensor(np.asarray(v), dtype=torch.float32) for k, v in h.items()}
                  for h in heads]
         steps = int(self.param("server_epochs"))
-        bs = max(2, int(self.param("server_batch_size")) or int(self.ctx.train["batch_size"]))
+        bs = max(2, server_batch_size(self))
         p = torch.from_numpy(self.label_dist() * present)
         if float(p.sum()) <= 0:  # labels known only from these updates' counts
             p = torch.from_numpy(present.astype(np.float64))

@@ -93,6 +93,38 @@ from fedbus.algorithms.protos import class_sums, local_prototypes
 from fedbus.algorithms.split import head_prefix
 
 
+def server_training_params(over: str, epochs: tuple[int, str], batch_size: tuple[int, str],
+                           lr: tuple[float, str] | None = None, *,
+                           sampled: bool = False) -> dict[str, Any]:
+    """The PARAMS entries of a server that trains a model of its own every aggregation on
+    what the clients sent (FedGH's header, FedTGP's prototype generator, FedGen's
+    generator), each given as (the algorithm's default, where it comes from: the help
+    text's citation); `over` names the items of a server minibatch.
+    - "server_epochs": passes over the items received in the aggregation, shuffled, in
+      minibatches of server_batch_size; `sampled` (FedGen: its labels are drawn from p(y),
+      not received): steps, each on a freshly drawn minibatch;
+    - "server_batch_size": items per server step, 0 = train.batch_size (the clients'
+      minibatch, HtFLlib's choice; `server_batch_size` resolves it);
+    - "server_lr" (where `lr` is given; FedGen's Adam has its own generator_lr): the
+      server's SGD learning rate."""
+    out = {
+        "server_epochs": opt(epochs[0], (f"server steps per aggregation, each on a fresh "
+                                         f"minibatch of {over}" if sampled else
+                                         f"passes over the received {over} per aggregation")
+                             + f" ({epochs[1]})", min=0),
+        "server_batch_size": opt(batch_size[0], f"{over} per server step, 0 = train.batch_size "
+                                 f"({batch_size[1]})", min=0),
+    }
+    if lr is not None:
+        out["server_lr"] = opt(lr[0], f"server SGD learning rate ({lr[1]})", min=0.0)
+    return out
+
+
+def server_batch_size(handler: Params) -> int:
+    """PARAM server_batch_size, 0 read as train.batch_size (server_training_params)."""
+    return int(handler.param("server_batch_size")) or int(handler.ctx.train["batch_size"])
+
+
 def head_module(model: nn.Module) -> nn.Module:
     """The sub-module a network's head() applies (its `head_module` attribute)."""
     return getattr(model, head_prefix(model)[:-1])
@@ -140,12 +172,10 @@ class FedGHServer(Params, ServerHandler):
     # the upload is {protos (LARs), counts} only (either `protos` source): record-level DP
     DP_LEVELS: ClassVar[tuple[str, ...]] = ("record",)
     PARAMS: ClassVar[dict[str, Any]] = {
-        "server_epochs": opt(1, "passes over the received LARs per aggregation (authors' code: "
-                             "1; HtFLlib: 100)", min=0),
-        "server_batch_size": opt(1, "LARs per server SGD step (authors' code: 1; 0 = "
-                                 "train.batch_size, as HtFLlib)", min=0),
-        "server_lr": opt(0.01, "server SGD learning rate of the header (HtFLlib's "
-                         "server_learning_rate; the authors' --lr)", min=0.0),
+        **server_training_params(
+            "LARs", epochs=(1, "authors' code: 1; HtFLlib: 100"),
+            batch_size=(1, "authors' code: 1; HtFLlib: 0"),
+            lr=(0.01, "HtFLlib's server_learning_rate; the authors' --lr")),
         "protos": opt("after", "LARs from: after = one eval-mode pass after local training "
                       "(paper Fig. 1, both codes); last_epoch = the features of the last "
                       "local epoch (no extra pass)", choices=("after", "last_epoch")),
@@ -175,7 +205,7 @@ class FedGHServer(Params, ServerHandler):
                      weights: torch.Tensor) -> float:
         """server_epochs of SGD over shuffled minibatches; the last epoch's mean loss."""
         epochs = int(self.param("server_epochs"))
-        bs = int(self.param("server_batch_size")) or int(self.ctx.train["batch_size"])
+        bs = server_batch_size(self)
         optimizer = torch.optim.SGD(self.header.parameters(), lr=float(self.param("server_lr")))
         m = len(labels)
         last = float("nan")

@@ -126,6 +126,7 @@ from fedbus.algorithms.base import (
     ServerHandler,
     to_tensor,
 )
+from fedbus.algorithms.fedgh import server_batch_size, server_training_params
 from fedbus.algorithms.local import LocalClient, Params, opt, staleness_metrics
 from fedbus.algorithms.protos import (
     aggregate_prototypes,
@@ -234,12 +235,9 @@ class FedTGPServer(Robust, Params, ServerHandler):
         "infer_classes": opt("all", "nearest-prototype inference over all classes (paper, code) "
                              "or only the client's own training classes",
                              choices=("all", "own")),
-        "server_epochs": opt(100, "server epochs S over the received prototypes per round "
-                             "(paper: 100)", min=0),
-        "server_lr": opt(0.0, "server SGD learning rate (0 = train.lr, as the code; the paper "
-                         "gives none)", min=0.0),
-        "server_batch_size": opt(0, "server minibatch of client prototypes (0 = "
-                                 "train.batch_size, as the code)", min=0),
+        **server_training_params(
+            "client prototypes", epochs=(100, "S; paper: 100"), batch_size=(0, "as the code"),
+            lr=(0.0, "0 = train.lr, as the code; the paper gives none")),
         "server_hidden": opt(0, "hidden width of F (0 = feature_dim, as the code)", min=0),
         "generator": opt("mlp", "trainable prototypes: mlp = vectors through F (paper); none = "
                          "the vectors alone (Tab. 6 'w/o F')", choices=("mlp", "none")),
@@ -279,16 +277,12 @@ class FedTGPServer(Robust, Params, ServerHandler):
         ce = F.cross_entropy(-dist, labels, reduction="none")
         return (weights * ce).sum() / weights.sum()
 
-    def _train_setting(self, key: str, train_key: str) -> float:
-        value = self.param(key)
-        return value if value else self.ctx.train[train_key]
-
     def train_generator(self, protos: torch.Tensor, labels: torch.Tensor,
                         weights: torch.Tensor, margin: float) -> float:
         """S epochs of SGD on the received prototypes; returns the last loss."""
         epochs = int(self.param("server_epochs"))
-        bs = int(self._train_setting("server_batch_size", "batch_size"))
-        lr = float(self._train_setting("server_lr", "lr"))
+        bs = server_batch_size(self)
+        lr = float(self.param("server_lr") or self.ctx.train["lr"])  # 0 = the clients' lr
         params = [p for p in self.net.parameters() if p.requires_grad]
         optimizer = torch.optim.SGD(params, lr=lr)
         self.net.train()
