@@ -11,8 +11,10 @@ import importlib
 import importlib.util
 from dataclasses import dataclass
 from importlib.metadata import entry_points
+from typing import TYPE_CHECKING
 
-from fedbus.algorithms.base import ClientHandler, ServerHandler
+if TYPE_CHECKING:  # torch: imported with the first algorithm, not with the registry
+    from fedbus.algorithms.base import ClientHandler, ServerHandler
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,8 @@ nothing. It is the lower bound every federated method should beat (the
 
 This module also holds what the other built-in algorithms share:
 
-- `opt()`: a parameter declaration that becomes a validated `Opt` (choices,
-  bounds, help) when the config layer is installed, and stays a plain default
-  otherwise (the import is lazy so that `algorithms` does not depend on `node`
-  at import time);
+- `opt()`: a parameter declaration, a `fedbus.algorithms.params.Opt` (choices,
+  bounds, help) that the config layer (fedbus.node.config) validates against;
 - `LocalClient`: the local training loop (`run.batches()`, one optimiser step
   per minibatch) with a `batch_loss(x, y)` hook that FedProx, FedProto and
   FedTGP extend with their regularisers;
@@ -29,16 +27,13 @@ from fedbus.algorithms import Algorithm
 from fedbus.algorithms.base import (ClientHandler, ClientUpdate, Failure, LocalRun, RoundInfo,
                                     ServerHandler)
 from fedbus.algorithms.merge import members_of
+from fedbus.algorithms.params import Opt
 
 
 def opt(default: Any, help: str = "", choices: tuple | None = None,
         min: float | None = None, max: float | None = None) -> Any:
-    """Declare an [algorithm] parameter: an `Opt` when fedbus.node.config is
-    importable (validated choices and bounds), else the plain default."""
-    try:
-        from fedbus.node.config import Opt
-    except ImportError:  # pragma: no cover - the config layer ships with fedbus
-        return default
+    """Declare an [algorithm] parameter: an `Opt` (the config layer validates its
+    choices and bounds)."""
     return Opt(default, help, choices, min, max)
 
 
@@ -111,9 +106,9 @@ class LocalClient(Params, ClientHandler):
     def run_local(self, run: LocalRun) -> float:
         """One optimiser step per minibatch the engine hands out; returns the
         mean loss (nan when the run yielded no batch)."""
-        # privacy.dp = "sgd": DP-SGD steps (Opacus) over Poisson batches, fedbus.node.dp_sgd
+        # privacy.dp = "sgd": DP-SGD steps (Opacus) over Poisson batches, fedbus.algorithms.dp_sgd
         if (self.ctx.extra.get("privacy") or {}).get("dp") == "sgd":
-            from fedbus.node.dp_sgd import run_dp_sgd
+            from fedbus.algorithms.dp_sgd import run_dp_sgd
 
             self.last_loss = run_dp_sgd(self, run)
             return self.last_loss

@@ -20,10 +20,10 @@ reloads it):
   with q = sampled / live clients (the accountant's Poisson subsampling: fedbus draws a
   fixed-size cohort uniformly without replacement, the usual approximation of DP-FedAvg's
   analysis). `target_epsilon`: the run stops before a round that would pass it.
-* sgd (weight-sharing algorithms, DP-SGD in local training, fedbus.node.dp_sgd): each task
+* sgd (weight-sharing algorithms, DP-SGD in local training, fedbus.algorithms.dp_sgd): each task
   a client is sent is epochs x ceil(n / batch_size) DP-SGD steps, each a Gaussian
   mechanism of multiplier z Poisson-subsampled with q = min(batch_size, n) / n
-  (fedbus.node.dp_sgd.task_sampling; n the client's training-set size, which the server
+  (fedbus.algorithms.dp_sgd.task_sampling; n the client's training-set size, which the server
   knows from its partition, `sizes`). Charged per client like record level, in full when
   the task is sent (a client that does part of its epochs, or drops out, pays all of
   them), and composed over its tasks; the run's epsilon is the largest client's and
@@ -56,7 +56,7 @@ class PrivacyLedger:
         self._eps_by_count: dict[int, float] = {0: 0.0}
         self.spent: set[int] = set()  # clients out of budget (logged once each)
         self._accountant = Accountant
-        # sgd: each task's (q, steps) depends on the client's n (fedbus.node.dp_sgd)
+        # sgd: each task's (q, steps) depends on the client's n (fedbus.algorithms.dp_sgd)
         self.train = train
         self.sizes = sizes if sizes is not None else {}
         self._eps_sgd: dict[tuple[int, int], float] = {}  # (n, tasks) -> epsilon
@@ -85,7 +85,7 @@ class PrivacyLedger:
         """Epsilon of a client with n training samples after `count` DP-SGD tasks: count x
         epochs x ceil(n / batch_size) steps of PoissonSampled(min(batch_size, n) / n,
         Gaussian(z)) (memoised on (n, count))."""
-        from fedbus.node.dp_sgd import task_sampling
+        from fedbus.algorithms.dp_sgd import task_sampling
 
         eps = self._eps_sgd.get((n, count))
         if eps is None:

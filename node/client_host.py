@@ -296,7 +296,7 @@ def dp_release(handler: ClientHandler, payload: dict[str, Any], privacy: dict[st
     training set (each sample's feature clipped, per-class sums and counts noised);
     "client" clips the weight delta (the server noises the round's sum)."""
     mechanism = privacy.get("dp", "off")
-    if mechanism in ("off", "sgd"):  # sgd: DP in training (fedbus.node.dp_sgd), delta as is
+    if mechanism in ("off", "sgd"):  # sgd: DP in training (fedbus.algorithms.dp_sgd), delta as is
         return payload
     from fedbus.node import dp
 

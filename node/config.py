@@ -10,22 +10,14 @@ from __future__ import annotations
 
 import copy
 import tomllib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
+
+from fedbus.algorithms.params import Opt  # declared with the algorithms; the name stays here
 
 
 class ConfigError(ValueError):
     """A config that cannot be used; the message names the key."""
-
-
-@dataclass(frozen=True)
-class Opt:
-    default: Any
-    help: str = ""
-    choices: tuple | None = None
-    min: float | None = None
-    max: float | None = None
 
 
 SCHEMA: dict[str, dict[str, Opt]] = {

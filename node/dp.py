@@ -38,7 +38,7 @@ client (privacy.dp = "client", weight-delta algorithms; `clip_update`, `gaussian
     an observer of the global models does not see the cohort, so each round is a
     Poisson-subsampled Gaussian (`Accountant.add(z, q)`), composed over the rounds.
 
-sgd (privacy.dp = "sgd", weight-delta algorithms; fedbus.node.dp_sgd, with Opacus)
+sgd (privacy.dp = "sgd", weight-delta algorithms; fedbus.algorithms.dp_sgd, with Opacus)
     What is protected: one training sample of one client, in the weights its local
     training ends with (so its delta, and everything made from it). DP-SGD (Abadi et al.,
     CCS 2016): every local step takes a Poisson batch (each sample with probability
@@ -80,7 +80,7 @@ What is not protected.
   Classification only: dense (segmentation) labels are refused (one image is many pixels).
 - sgd: the batches and the noise come from the task seed, which the server (and any node,
   from the run's federation.seed) knows and could recompute them from, unless
-  privacy.dp_noise = "secret" draws them from the client's OS (fedbus.node.dp_sgd); the
+  privacy.dp_noise = "secret" draws them from the client's OS (fedbus.algorithms.dp_sgd); the
   network's BatchNorm layers (refused) and anything the client computes outside
   LocalClient.run_local are not covered.
 - Client level: nothing against the server, which sees each clipped delta before noising
@@ -347,7 +347,7 @@ def gaussian_like(tree: Mapping[str, Any], std: float, seed: int) -> dict[str, A
 def dp_levels(server_cls: type) -> tuple[str, ...]:
     """The class's own DP_LEVELS (ServerHandler.DP_LEVELS), not inherited: a subclass whose
     upload differs (FedAvg-proto, MP-FedCL over FedAvg) admits nothing until it declares.
-    "sgd" (DP-SGD on the client, fedbus.node.dp_sgd) comes with "client": an upload that is
+    "sgd" (DP-SGD on the client, fedbus.algorithms.dp_sgd) comes with "client": an upload that is
     a weight delta is post-processing of the client's DP-SGD training."""
     levels = tuple(vars(server_cls).get("DP_LEVELS", ()))
     if "client" in levels and "sgd" not in levels:
@@ -414,7 +414,7 @@ def dp_refusal(server_cls: Any, level: str, params: Mapping[str, Any] | None = N
 
 def _sgd_refusal(name: str) -> str | None:
     """privacy.dp = sgd's own conditions: Opacus installed, and a client that trains through
-    LocalClient.run_local (where fedbus.node.dp_sgd takes over the steps)."""
+    LocalClient.run_local (where fedbus.algorithms.dp_sgd takes over the steps)."""
     import importlib.util
 
     if importlib.util.find_spec("opacus") is None:

@@ -1,4 +1,4 @@
-"""privacy.dp = "sgd": DP-SGD in local training with Opacus (fedbus.node.dp_sgd).
+"""privacy.dp = "sgd": DP-SGD in local training with Opacus (fedbus.algorithms.dp_sgd).
 
 One step is a plain SGD step when the clip never binds and the noise is nil; per-sample
 gradients are Opacus's and match a manual per-sample computation; a small clip bounds one
@@ -26,7 +26,7 @@ from fedbus.node.budget import PrivacyLedger
 from fedbus.node.client_host import dp_release
 from fedbus.node.config import build_config
 from fedbus.node.dp import RDP_ORDERS, dp_levels, dp_refusal
-from fedbus.node.dp_sgd import DPSGD, model_refusal, task_sampling
+from fedbus.algorithms.dp_sgd import DPSGD, model_refusal, task_sampling
 from fedbus.node.msglog import read_log
 from fedbus.node.server import build_engine
 from tests.helpers import SMALL, fedbus, merged, metrics, run_federation, write_config
