@@ -74,6 +74,7 @@ _NOT_FORWARDED = frozenset({"ready", "join", "leave", "register", "heartbeat"})
 _UNMETERED_KINDS = frozenset({"register", "heartbeat", "leave"})
 _NB = zmq.NOBLOCK
 _MORE_NB = zmq.SNDMORE | zmq.NOBLOCK
+_FULL, _UNREACHABLE = "full", "unreachable"  # why Broker._send_now did not send
 
 
 class Node:
@@ -638,29 +639,34 @@ class Broker:
                 node.rcache[prefix] = target
 
     # ------------------------------------------------------------------ send
-    def route(self, sender: bytes, target: Node, hdr: bytes, body, kind: str, src: str, dst: str,
-              seq: int, blen: int) -> bool:
-        """Forward [target id, header, body] to a node; hold it if the node cannot take it.
-        True if it was sent now."""
-        if target.pending:
-            self._hold(target, (sender, hdr, body, kind, src, dst, seq, blen))
-            return False
+    def _send_now(self, target: Node, hdr: bytes, body) -> str:
+        """Send [target id, header, body] without waiting: "" when sent; _FULL when the node's
+        pipe is full (HWM: the node is marked blocked, so reading stops until it catches up);
+        _UNREACHABLE when it is not connected right now (EHOSTUNREACH: reconnecting?). Any
+        other ZMQ error is raised."""
+        send = self._send
         try:
-            send = self._send
             send(target.rid, _MORE_NB)
             send(hdr, _MORE_NB)
             send(body, _NB, copy=False)
         except zmq.Again:
-            # its pipe is full (HWM): hold it and stop reading until the node catches up
             if target.blocked_at is None:
                 target.blocked_at = time.monotonic()
             self.blocked.add(target)
-            self._hold(target, (sender, hdr, body, kind, src, dst, seq, blen))
-            return False
+            return _FULL
         except zmq.ZMQError as e:
             if e.errno != errno.EHOSTUNREACH:
                 raise
-            # not connected right now (reconnecting?): hold until it is back or purged
+            return _UNREACHABLE
+        return ""
+
+    def route(self, sender: bytes, target: Node, hdr: bytes, body, kind: str, src: str, dst: str,
+              seq: int, blen: int) -> bool:
+        """Forward [target id, header, body] to a node; hold it if the node cannot take it.
+        True if it was sent now."""
+        if target.pending or self._send_now(target, hdr, body):
+            # queued behind held messages, its pipe is full, or it is not connected right now:
+            # hold it until the node catches up, is back, or is purged
             self._hold(target, (sender, hdr, body, kind, src, dst, seq, blen))
             return False
         self.n_routed += 1
@@ -701,25 +707,15 @@ class Broker:
 
     def flush_pending(self) -> None:
         """Retry held messages, oldest first, for every backlogged node."""
-        send = self._send
         for target in list(self.backlogged):
             q = target.pending
             while q:
                 _sender, hdr, body, kind, src, dst, seq, blen = q[0]
-                try:
-                    send(target.rid, _MORE_NB)
-                    send(hdr, _MORE_NB)
-                    send(body, _NB, copy=False)
-                except zmq.Again:
-                    if target.blocked_at is None:
-                        target.blocked_at = time.monotonic()
-                    self.blocked.add(target)
-                    break
-                except zmq.ZMQError as e:
-                    if e.errno != errno.EHOSTUNREACH:
-                        raise
-                    target.blocked_at = None
-                    self.blocked.discard(target)
+                unsent = self._send_now(target, hdr, body)
+                if unsent:
+                    if unsent == _UNREACHABLE:  # not a full pipe: not blocked, just away
+                        target.blocked_at = None
+                        self.blocked.discard(target)
                     break
                 q.popleft()
                 target.pending_bytes -= blen
