@@ -1072,7 +1072,9 @@ class Engine:
             return []
         s.session.add_input(clients, body["payload"]["masked"])
         s.inputs.update(clients)
-        s.clipped += sum(int(x) for x in [body.get("clipped", 0)] if isinstance(x, int))
+        clipped = body.get("clipped", 0)  # (a relay's merged sum reports none)
+        if isinstance(clipped, int) and not isinstance(clipped, bool):
+            s.clipped += clipped
         members = upd if isinstance(upd, list) else [upd]
         for u in members:
             u.payload = {}

@@ -5,12 +5,11 @@ algorithms (plugins included) and one algorithm's options, and `fedbus --help` /
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import textwrap
 
 from helpers import REPO, fedbus, write_config
+from test_plugins import _install_plugin
 
 from fedbus.algorithms import available, get_algorithm
 from fedbus.launch.bench_cmd import BENCHES
@@ -23,32 +22,6 @@ def _section(text: str, name: str) -> list[str]:
     end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("[")),
                len(lines))
     return lines[start + 1:end]
-
-
-PLUGIN = '''
-from fedbus.algorithms import Algorithm
-from fedbus.algorithms.fedavg import FedAvgServer, FedAvgClient
-
-
-class HalfStepServer(FedAvgServer):
-    """FedAvg taking half the averaged step."""
-    PARAMS = {"step": 0.5}
-
-
-ALGORITHM = Algorithm("halfstep", HalfStepServer, FedAvgClient, "FedAvg with a damped step")
-'''
-
-
-def _plugin_env(root) -> dict[str, str]:
-    """A third-party algorithm `halfstep` registered through the `fedbus.algorithms`
-    entry-point group (as tests/test_plugins.py installs it)."""
-    (root / "halfstep_plugin.py").write_text(textwrap.dedent(PLUGIN))
-    info = root / "halfstep_plugin-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: halfstep-plugin\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(
-        "[fedbus.algorithms]\nhalfstep = halfstep_plugin:ALGORITHM\n")
-    return {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 
 def _cli(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -74,7 +47,7 @@ def test_help_config_lists_the_chosen_algorithms_parameters():
 
 
 def test_help_config_of_a_config_file_naming_a_plugin_algorithm(tmp_path):
-    env = _plugin_env(tmp_path)
+    env = _install_plugin(tmp_path)
     cfg = write_config(tmp_path / "c.toml", {"algorithm": {"name": "halfstep"}})
     algo = _section(_cli("run", str(cfg), "--help-config", env=env).stdout, "algorithm")
     assert any(line.startswith("  # parameters of halfstep (") and "[algorithm] name" in line
@@ -101,7 +74,7 @@ def test_help_config_with_an_unknown_algorithm_is_one_line_and_exit_2():
 
 
 def test_algorithms_lists_every_registered_one_plugins_included(tmp_path):
-    records = json.loads(_cli("algorithms", "--json", env=_plugin_env(tmp_path)).stdout)
+    records = json.loads(_cli("algorithms", "--json", env=_install_plugin(tmp_path)).stdout)
     assert all("error" not in r and "text" in r["uploads"] for r in records), \
         [r for r in records if "error" in r or "error" in r.get("uploads", {})]
     assert [r["name"] for r in records] == sorted({*available(), "halfstep"})

@@ -15,8 +15,9 @@ from fedbus.node.config import build_config
 from fedbus.node.engine import client_address
 from fedbus.node.secure_round import privacy_refusal
 from fedbus.node.server import build_engine, dispatch
-from tests.test_relay import EQUIV, _arrays, _final_state, run_to_end
-from tests.helpers import merged, metrics
+from tests.helpers import merged
+from tests.test_relay import (EQUIV, _arrays, _final_state, assert_relays_give_the_flat_run,
+                              run_to_end)
 
 DONE = {"epochs_asked": 1, "epochs_done": 1.0, "steps": 4, "samples": 64}
 HALF = {"epochs_asked": 2, "epochs_done": 1.0, "steps": 4, "samples": 64, "stopped": "partial"}
@@ -259,14 +260,4 @@ def test_fedper_through_two_relays_gives_the_flat_federations_body(tmp_path):
             for name, relays in (("flat", False), ("relays", True))}
     flat, tree = (_arrays(_final_state(runs[k])) for k in ("flat", "relays"))
     assert any(k.startswith("weights/") for k in flat) and sorted(flat) == sorted(tree)
-    for key in flat:
-        np.testing.assert_allclose(np.asarray(tree[key], dtype=np.float64),
-                                   np.asarray(flat[key], dtype=np.float64), rtol=0, atol=1e-6,
-                                   err_msg=key)
-    flat_recs, tree_recs = metrics(runs["flat"]), metrics(runs["relays"])
-    assert len(tree_recs) == len(flat_recs) == 3
-    for f, t in zip(flat_recs, tree_recs):
-        assert t["participants"] == f["participants"] == list(range(6))
-        assert t["merged"] == 2 and f["merged"] == 0
-        assert (t["messages_up"], f["messages_up"]) == (2, 6)
-        assert t["acc_mean"] == pytest.approx(f["acc_mean"], abs=1e-6)
+    assert_relays_give_the_flat_run(runs, flat, tree, "fedper")

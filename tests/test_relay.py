@@ -80,6 +80,25 @@ def run_to_end(tmp_path, sections, *, relays: bool, name: str):
     return run
 
 
+def assert_relays_give_the_flat_run(runs: dict, flat: dict, tree: dict, algorithm: str):
+    """The relays' run ("relays") equals the flat one ("flat"): every array of the global
+    state, and each of the 3 rounds' participants and accuracy, with one merged update per
+    relay (2 messages into the server a round instead of 6). Returns the (flat, relays)
+    record pairs for further checks."""
+    for key in flat:
+        np.testing.assert_allclose(np.asarray(tree[key], dtype=np.float64),
+                                   np.asarray(flat[key], dtype=np.float64), rtol=0, atol=1e-6,
+                                   err_msg=f"{algorithm} {key}")
+    flat_recs, tree_recs = metrics(runs["flat"]), metrics(runs["relays"])
+    assert len(tree_recs) == len(flat_recs) == 3
+    for f, t in zip(flat_recs, tree_recs):
+        assert t["participants"] == f["participants"] == list(range(6))
+        assert t["merged"] == 2 and f["merged"] == 0
+        assert (t["messages_up"], f["messages_up"]) == (2, 6)
+        assert t["acc_mean"] == pytest.approx(f["acc_mean"], abs=1e-6)
+    return list(zip(flat_recs, tree_recs))
+
+
 @pytest.mark.parametrize("algorithm", ["fedproto", "fedavg", "mpfedcl"])
 def test_two_relays_give_the_flat_federations_global_state(tmp_path, algorithm):
     sections = merged(EQUIV, algorithm={"name": algorithm})
@@ -89,20 +108,8 @@ def test_two_relays_give_the_flat_federations_global_state(tmp_path, algorithm):
     want = {"fedproto": {"protos"}, "fedavg": {"weights/"}, "mpfedcl": {"weights/", "pool"}}
     assert all(any(k.startswith(w) for k in flat) for w in want[algorithm]), sorted(flat)
     assert sorted(flat) == sorted(tree)
-    for key in flat:
-        np.testing.assert_allclose(np.asarray(tree[key], dtype=np.float64),
-                                   np.asarray(flat[key], dtype=np.float64), rtol=0, atol=1e-6,
-                                   err_msg=f"{algorithm} {key}")
-    flat_recs, tree_recs = metrics(runs["flat"]), metrics(runs["relays"])
-    assert len(tree_recs) == len(flat_recs) == 3
-    for f, t in zip(flat_recs, tree_recs):
-        # every client took part, through one merged update per relay
-        assert t["participants"] == f["participants"] == list(range(6))
-        assert t["merged"] == 2 and f["merged"] == 0
-        # the server received 2 messages a round instead of 6
-        assert (t["messages_up"], f["messages_up"]) == (2, 6)
+    for f, t in assert_relays_give_the_flat_run(runs, flat, tree, algorithm):
         assert 0 < t["bytes_up"] < f["bytes_up"]
-        assert t["acc_mean"] == pytest.approx(f["acc_mean"], abs=1e-6)
     summary = json.loads((runs["relays"] / "summary.json").read_text())
     assert summary["rounds_completed"] == 3
 
