@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING
 
+from fedbus.algorithms.core.moved import alias_moved
+
 if TYPE_CHECKING:  # torch: imported with the first algorithm, not with the registry
-    from fedbus.algorithms.base import ClientHandler, ServerHandler
+    from fedbus.algorithms.core.handlers import ClientHandler, ServerHandler
 
 
 @dataclass(frozen=True)
@@ -79,3 +81,17 @@ def register(algo: Algorithm) -> Algorithm:
     """Register an algorithm defined at run time (tests, notebooks)."""
     _loaded[algo.name] = algo
     return algo
+
+
+# module names from before the algorithms' shared machinery moved into fedbus.algorithms.core
+alias_moved("fedbus.algorithms", {
+    "base": ("fedbus.algorithms.core.handlers", "fedbus.algorithms.core.metrics"),
+    "params": ("fedbus.algorithms.core.params",),
+    "protos": ("fedbus.algorithms.core.protos",),
+    "merge": ("fedbus.algorithms.core.merge",),
+    "weights": ("fedbus.algorithms.core.weights",),
+    "split": ("fedbus.algorithms.core.split",),
+    "robust": ("fedbus.algorithms.core.robust",),
+    "dp_sgd": ("fedbus.algorithms.core.dp_sgd",),
+    "aux_model": ("fedbus.algorithms.fml",),
+})

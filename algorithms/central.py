@@ -3,7 +3,7 @@
 The reference of Michieli & Ozay ("Prototype Guided Federated Learning of Visual
 Feature Representations", arXiv:2105.08982, Sec. 5.1: "we train a model M_C on the
 same dataset without any distributed setting"; Table 4's "Centralized" row; the FFD of
-eq. 16-17, fedbus.node.ffd), and the usual upper bound for federated accuracy.
+eq. 16-17, fedbus.analysis.ffd), and the usual upper bound for federated accuracy.
 
 **A simulation-only baseline.** The server's handler holds the one model and the union
 of every client's training split (ServerContext.pooled_train: the server builds the
@@ -25,7 +25,7 @@ How it fits fedbus's process model
   summary.json and `fedbus plot` read as for any other run. Which clients a round
   samples (federation.fraction) and which fail changes nothing in the training.
 * checkpoint.fbk holds {"weights": the central model, "momentum": SGD buffers}; the
-  `log.ffd_reference` of another run loads "weights" from it (fedbus.node.ffd).
+  `log.ffd_reference` of another run loads "weights" from it (fedbus.analysis.ffd).
 * The training runs in the server process, on its CPU and one thread like all of the
   server's mathematics, so `fedbus replay` re-trains it bit for bit and --resume
   continues it. It suits the offline data sets; its time counts in the round's
@@ -45,16 +45,10 @@ import torch
 import torch.nn.functional as F
 
 from fedbus.algorithms import Algorithm
-from fedbus.algorithms.base import (
-    ClientUpdate,
-    Failure,
-    LocalRun,
-    RoundInfo,
-    load_weights,
-    model_weights,
-)
+from fedbus.algorithms.core.handlers import (ClientUpdate, Failure, LocalRun, RoundInfo,
+                                             load_weights, model_weights)
 from fedbus.algorithms.fedavg import FedAvgClient, FedAvgServer
-from fedbus.algorithms.local import staleness_metrics
+from fedbus.algorithms.core.training import staleness_metrics
 
 
 class CentralServer(FedAvgServer):

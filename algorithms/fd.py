@@ -60,7 +60,7 @@ classes of the clients not heard from; with every client every round they coinci
 The task is {"logits": float32 [C, C], "has": bool [C]}.
 That mean is a weighted sum per class, sum_i a_ic z_ic / sum_i a_ic (a_ic = s_i counts[c]
 or s_i [counts[c] > 0]), so the server declares it as its merge rule (LogitSums,
-fedbus.algorithms.merge: FedProto's PrototypeSums on "logits"): a relay pre-adds the
+fedbus.algorithms.core.merge: FedProto's PrototypeSums on "logits"): a relay pre-adds the
 sums and masses of its clients, secure aggregation reveals only their total, and the
 server divides, as it does over single updates (up to float64 rounding). Every option
 keeps it a sum: `collect` changes only what the counts count, `aggregate` the a_ic, and
@@ -89,11 +89,12 @@ import torch
 import torch.nn.functional as F
 
 from fedbus.algorithms import Algorithm
-from fedbus.algorithms.base import (ClientUpdate, Failure, LocalRun, RoundInfo, ServerHandler,
-                                    to_tensor)
-from fedbus.algorithms.local import LocalClient, Params, opt, staleness_metrics
-from fedbus.algorithms.merge import LogitSums
-from fedbus.algorithms.protos import class_sums, fold_prototypes
+from fedbus.algorithms.core.handlers import (ClientUpdate, Failure, LocalRun, RoundInfo,
+                                             ServerHandler, to_tensor)
+from fedbus.algorithms.core.params import Params, opt
+from fedbus.algorithms.core.training import LocalClient, staleness_metrics
+from fedbus.algorithms.core.merge import LogitSums
+from fedbus.algorithms.core.protos import class_sums, fold_prototypes
 
 DISTILL_LOSSES = ("paper", "softmax", "raw")
 
@@ -152,7 +153,7 @@ class FDServer(Params, ServerHandler):
                             "(False: replaced by what was received, as serverfd)"),
     }
     # the per-class mean is a weighted sum, as FedProto's eq. 6: a relay pre-aggregates it
-    # and secure aggregation sums it (fedbus.algorithms.merge), under every option
+    # and secure aggregation sums it (fedbus.algorithms.core.merge), under every option
     MERGE = LogitSums()
 
     def __init__(self, ctx):

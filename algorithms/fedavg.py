@@ -12,7 +12,7 @@ weights of the task it answered) and the server applies
     w <- w + sum_k s_k n_k delta_k / sum_k s_k n_k
 
 (s_k the engine's staleness weight 1/sqrt(1+staleness), n_k the client's
-training-set size; fedbus.algorithms.weights). With every update fresh and
+training-set size; fedbus.algorithms.core.weights). With every update fresh and
 made from one global version this is exactly Algorithm 1's weighted mean (up to
 float64 rounding); a late or asynchronous update, made from an older version,
 still applies as a step, down-weighted by its staleness.
@@ -25,7 +25,7 @@ The whole global state dict travels, buffers included (BatchNorm running
 statistics are averaged like weights; integer counters are averaged and
 rounded). Every client must run the same architecture (`needs_same_model`).
 `FedAvgServer`/`FedAvgClient` are the base classes of FedProx and FedAvg-proto:
-the averaging rule is written once, here and in fedbus.algorithms.weights.
+the averaging rule is written once, here and in fedbus.algorithms.core.weights.
 
 PARAMS: partial = "tolerate" (default) aggregates a partial update (a client that
 ran fewer epochs than asked: system.partial_work, a deadline) like any other, as
@@ -34,7 +34,7 @@ fedbus treats partial work everywhere; "drop" counts it as a failure (reason
 toleration") and FedProx's paper (Sec. 5.2, "drop the stragglers") compare against.
 robust = "none" (default: Algorithm 1's weighted mean above); "median", "trimmed_mean"
 (robust_trim) or "krum" (robust_f, robust_m) step by that rule over the deltas instead,
-w <- w + rule(delta_1, ..., delta_n) (fedbus.algorithms.robust): a defence against in-range
+w <- w + rule(delta_1, ..., delta_n) (fedbus.algorithms.core.robust): a defence against in-range
 poison, not the paper's. Each delta then counts once (the self-reported n_k and the
 staleness weights are dropped), partial updates are first dropped or tolerated as
 `partial` says, and relays forward updates unmerged. Subclasses that declare their own
@@ -50,12 +50,15 @@ import numpy as np
 import torch
 
 from fedbus.algorithms import Algorithm
-from fedbus.algorithms.base import (ClientUpdate, Failure, LocalRun, RoundInfo, ServerHandler,
-                                    head_metrics, load_weights, model_weights, weight_delta)
-from fedbus.algorithms.local import LocalClient, Params, opt, staleness_metrics
-from fedbus.algorithms.merge import DeltaSums, weighted_sum
-from fedbus.algorithms.robust import ROBUST_PARAMS, Outcome, Robust, no_merged, report
-from fedbus.algorithms.weights import apply_delta, average_deltas, fedavg_coefs, weights_spec
+from fedbus.algorithms.core.handlers import (ClientUpdate, Failure, LocalRun, RoundInfo,
+                                             ServerHandler, load_weights, model_weights,
+                                             weight_delta)
+from fedbus.algorithms.core.metrics import head_metrics
+from fedbus.algorithms.core.params import Params, opt
+from fedbus.algorithms.core.training import LocalClient, staleness_metrics
+from fedbus.algorithms.core.merge import DeltaSums, weighted_sum
+from fedbus.algorithms.core.robust import ROBUST_PARAMS, Outcome, Robust, no_merged, report
+from fedbus.algorithms.core.weights import apply_delta, average_deltas, fedavg_coefs, weights_spec
 
 PARTIAL = opt("tolerate", "a partial update (fewer epochs than asked): tolerate = aggregate "
               "it; drop = count it as a failure (Michieli & Ozay's plain FedAvg, Table 3)",

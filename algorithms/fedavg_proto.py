@@ -38,7 +38,7 @@ PARAMS (defaults = the paper):
 - `robust` (default "none": eq. 1's weighted mean of the weights and eq. 3's mean of the
   prototypes): "median", "trimmed_mean" (`robust_trim`) or "krum" (`robust_f`,
   `robust_m`) replace both, the weights' step by the rule over the deltas and each class's
-  prototype by the rule over its holders' prototypes (fedbus.algorithms.robust): a defence
+  prototype by the rule over its holders' prototypes (fedbus.algorithms.core.robust): a defence
   against in-range poison, not the paper's; each update then counts once.
 
 On the bus:
@@ -49,9 +49,9 @@ On the bus:
 - eval: {"weights", "protos": float32 [C, D], "has": bool [C]}. "acc" is the
   global model's head (as FedAvg), "proto_acc" is eq. 4 with the model
   `infer_model` names, nan before any prototype exists. Segmentation: per-pixel
-  prototypes and inference (fedbus.algorithms.protos; "proto_miou" beside
+  prototypes and inference (fedbus.algorithms.core.protos; "proto_miou" beside
   "proto_acc", "miou" beside "acc").
-Relays and secure aggregation (fedbus.algorithms.merge, DeltaAndPrototypeSums): eq. 1 and
+Relays and secure aggregation (fedbus.algorithms.core.merge, DeltaAndPrototypeSums): eq. 1 and
 eq. 3 are weighted sums, sum_i n_i delta_i / sum_i n_i and, per class, sum_i a_ij y~_i,j /
 sum_i a_ij, so a relay pre-adds both and secure aggregation reveals only their totals;
 the server divides as it does over single updates (up to float64 rounding). A sum form
@@ -71,24 +71,18 @@ import numpy as np
 import torch
 
 from fedbus.algorithms import Algorithm
-from fedbus.algorithms.base import (
-    ClientUpdate,
-    Failure,
-    LocalRun,
-    RoundInfo,
-    head_metrics,
-    to_tensor,
-)
+from fedbus.algorithms.core.handlers import ClientUpdate, Failure, LocalRun, RoundInfo, to_tensor
+from fedbus.algorithms.core.metrics import head_metrics
 from fedbus.algorithms.fedavg import FedAvgClient, FedAvgServer, swapped_weights
-from fedbus.algorithms.local import opt, resolved_params
-from fedbus.algorithms.merge import DeltaAndPrototypeSums
-from fedbus.algorithms.protos import (
+from fedbus.algorithms.core.params import opt, resolved_params
+from fedbus.algorithms.core.merge import DeltaAndPrototypeSums
+from fedbus.algorithms.core.protos import (
     fold_prototypes,
     head_and_prototype_metrics,
     local_prototypes,
     prototype_metrics,
 )
-from fedbus.algorithms.robust import ROBUST_PARAMS, Outcome, report
+from fedbus.algorithms.core.robust import ROBUST_PARAMS, Outcome, report
 
 
 class FedAvgProtoServer(FedAvgServer):
@@ -104,7 +98,7 @@ class FedAvgProtoServer(FedAvgServer):
         **ROBUST_PARAMS,
     }
     # eq. 1 and eq. 3 are both weighted sums: a relay pre-aggregates them and secure
-    # aggregation sums them (fedbus.algorithms.merge), where every round's updates carry
+    # aggregation sums them (fedbus.algorithms.core.merge), where every round's updates carry
     # prototypes (`merges`: every_round, and no robust rule)
     MERGE = DeltaAndPrototypeSums()
 

@@ -12,7 +12,7 @@ the generator are shared: the setting of FedTGP's comparison (its appendix,
 the repository's copies (/work/shared/papers), so no equation numbers are quoted.
 
 Shapes: C classes, D = ctx.feature_dim. The header is the sub-module named by each
-network's `head_module` (fedbus.algorithms.split), with the same weights' names and
+network's `head_module` (fedbus.algorithms.core.split), with the same weights' names and
 shapes on every client (a Linear(D, C) in every fedbus network but MP-FedCL's MLP);
 names travel without the module prefix (fedbus.algorithms.fedgh.header_weights).
 
@@ -93,11 +93,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedbus.algorithms import Algorithm
-from fedbus.algorithms.base import (ClientUpdate, Failure, LocalRun, RoundInfo, ServerHandler,
-                                    to_tensor)
+from fedbus.algorithms.core.handlers import (ClientUpdate, Failure, LocalRun, RoundInfo,
+                                             ServerHandler, to_tensor)
 from fedbus.algorithms.fedgh import (head_module, header_weights, load_header, score_both_heads,
                                     server_batch_size, server_training_params)
-from fedbus.algorithms.local import LocalClient, Params, opt, staleness_metrics
+from fedbus.algorithms.core.params import Params, opt
+from fedbus.algorithms.core.training import LocalClient, staleness_metrics
 
 
 class Generator(nn.Module):

@@ -8,7 +8,7 @@ system/flcore/servers/servergh.py). The paper's text is not among the repository
 copies (/work/shared/papers), so no equation numbers are quoted; the steps below are
 its Fig. 1 workflow, and where the two codes differ the choice is a named option.
 
-Every client model is features(x) -> h -> head(h) (fedbus.algorithms.split): the
+Every client model is features(x) -> h -> head(h) (fedbus.algorithms.core.split): the
 feature extractors may differ between clients (a model group), the header (the
 sub-module named by the network's `head_module`, a Linear(D, C) in every fedbus
 network but MP-FedCL's MLP) must have the same weights' names and shapes on every
@@ -27,7 +27,7 @@ Each round (Fig. 1, steps 4, 1, 2, 3):
   "counts": int64 [C]} (count 0 = class absent, zero row). PARAM `protos`:
     "after"      (default; Fig. 1 step 2, the authors' code and HtFLlib's
                  `collect_protos`): one pass over the training set after local
-                 training, the model in eval mode (fedbus.algorithms.protos);
+                 training, the model in eval mode (fedbus.algorithms.core.protos);
     "last_epoch" the features the last local epoch computed anyway (train mode,
                  detached; no extra pass). Where the run stopped inside an epoch
                  (partial work, a time budget) that epoch's batches so far are
@@ -86,11 +86,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedbus.algorithms import Algorithm
-from fedbus.algorithms.base import (ClientUpdate, Failure, LocalRun, RoundInfo, ServerHandler,
-                                    head_metrics, to_tensor)
-from fedbus.algorithms.local import LocalClient, Params, opt, staleness_metrics
-from fedbus.algorithms.protos import class_sums, local_prototypes
-from fedbus.algorithms.split import head_prefix
+from fedbus.algorithms.core.handlers import (ClientUpdate, Failure, LocalRun, RoundInfo,
+                                             ServerHandler, to_tensor)
+from fedbus.algorithms.core.metrics import head_metrics
+from fedbus.algorithms.core.params import Params, opt
+from fedbus.algorithms.core.training import LocalClient, staleness_metrics
+from fedbus.algorithms.core.protos import class_sums, local_prototypes
+from fedbus.algorithms.core.split import head_prefix
 
 
 def server_training_params(over: str, epochs: tuple[int, str], batch_size: tuple[int, str],

@@ -9,7 +9,7 @@ heterogeneous-model version FedTGP ran).
 
 Client k keeps a large private teacher ("mentor": ctx.model, any architecture of the
 model group) and a copy of the small shared student ("mentee": the auxiliary model
-of fedbus.algorithms.aux_model, PARAM `shared_arch`, by default the federation's
+of fedbus.algorithms.fml, PARAM `shared_arch`, by default the federation's
 smallest architecture as FedTGP's appendix chose). On every minibatch, with t the
 teacher and s the student (the paper's Methods, adaptive mutual distillation):
 
@@ -93,18 +93,13 @@ import torch
 import torch.nn.functional as F
 
 from fedbus.algorithms import Algorithm
-from fedbus.algorithms.aux_model import CLIP_GRAD, KL, SHARED_ARCH, AuxClient, AuxServer, kl_div
-from fedbus.algorithms.base import (
-    ClientUpdate,
-    Failure,
-    LocalRun,
-    RoundInfo,
-    head_metrics,
-    load_weights,
-    weight_delta,
-)
-from fedbus.algorithms.local import opt, staleness_metrics
-from fedbus.algorithms.weights import average_deltas, fedavg_coefs, model_spec
+from fedbus.algorithms.fml import CLIP_GRAD, KL, SHARED_ARCH, AuxClient, AuxServer, kl_div
+from fedbus.algorithms.core.handlers import (ClientUpdate, Failure, LocalRun, RoundInfo,
+                                             load_weights, weight_delta)
+from fedbus.algorithms.core.metrics import head_metrics
+from fedbus.algorithms.core.params import opt
+from fedbus.algorithms.core.training import staleness_metrics
+from fedbus.algorithms.core.weights import average_deltas, fedavg_coefs, model_spec
 
 FACTORS = ("u", "s", "v")
 

@@ -8,7 +8,7 @@ from the global base and its own personalization layers, runs E local epochs of 
 both jointly, and uploads its base layers only; the server sets
 W_B = sum_j (n_j / n) W_B^j.
 
-Here the personalization layers are the network's head (fedbus.algorithms.split: the
+Here the personalization layers are the network's head (fedbus.algorithms.core.split: the
 sub-module named by `head_module`: one FC layer in most fedbus networks, two in
 MP-FedCL's MLP; the paper varies the number of personalization layers, fedbus fixes
 them to the head) and the base is everything else, buffers included (BatchNorm statistics are
@@ -17,10 +17,10 @@ averaged like FedAvg's). On the wire:
 - task and eval: {"weights": {state-dict name: array}} of the base (body) only;
 - update: {"delta": {name: array}} = the client's body minus the body it was sent, so
   a late or asynchronous update applies cleanly. The server applies FedAvg's rule
-  (fedbus.algorithms.weights): body += sum_k s_k n_k delta_k / sum_k s_k n_k, s_k the
+  (fedbus.algorithms.core.weights): body += sum_k s_k n_k delta_k / sum_k s_k n_k, s_k the
   engine's staleness weight 1/sqrt(1+staleness), n_k the client's training-set size.
   That is a weighted sum, so FedPerServer declares DeltaSums as its merge rule
-  (fedbus.algorithms.merge): a relay pre-adds sum_k n_k delta_k and sum_k n_k, and secure
+  (fedbus.algorithms.core.merge): a relay pre-adds sum_k n_k delta_k and sum_k n_k, and secure
   aggregation reveals only that sum; FedAvgServer.aggregate steps by the sums of merged
   updates exactly as by the single ones (up to float64 rounding).
 
@@ -50,13 +50,13 @@ import numpy as np
 import torch
 
 from fedbus.algorithms import Algorithm
-from fedbus.algorithms.base import (LocalRun, head_metrics,
-                                    model_weights, to_tensor)
+from fedbus.algorithms.core.handlers import LocalRun, model_weights, to_tensor
+from fedbus.algorithms.core.metrics import head_metrics
 from fedbus.algorithms.fedavg import PARTIAL, FedAvgServer
-from fedbus.algorithms.local import LocalClient
-from fedbus.algorithms.merge import DeltaSums
-from fedbus.algorithms.split import body_names, head_names, head_prefix
-from fedbus.algorithms.weights import weights_spec
+from fedbus.algorithms.core.training import LocalClient
+from fedbus.algorithms.core.merge import DeltaSums
+from fedbus.algorithms.core.split import body_names, head_names, head_prefix
+from fedbus.algorithms.core.weights import weights_spec
 
 # A part of a network: {wire name: state-dict name}.
 PartMap = dict[str, str]
@@ -159,7 +159,7 @@ class SharedPartClient(LocalClient):
 
 class FedPerServer(SharedPartServer):
     # the body's FedAvg rule is a weighted sum: a relay pre-aggregates it and secure
-    # aggregation sums it (fedbus.algorithms.merge); partial = drop keeps a partial update
+    # aggregation sums it (fedbus.algorithms.core.merge); partial = drop keeps a partial update
     # apart (DeltaSums.lift), as the flat path counts it a failure
     MERGE = DeltaSums()
 

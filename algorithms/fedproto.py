@@ -66,7 +66,7 @@ Client i, per task:
   cross-entropy), num_test.
 Segmentation (dense features [B, D, h, w], masks [B, H, W]; the paper is about
 classification): every feature pixel is a sample with its nearest-neighbour
-downsampled label (fedbus.algorithms.protos), so prototypes are per-class pixel
+downsampled label (fedbus.algorithms.core.protos), so prototypes are per-class pixel
 means, counts are pixel counts at feature resolution, the "mse" regulariser pulls
 each pixel's feature to its class's global prototype (ignored pixels excluded),
 and inference labels each feature pixel (scored upsampled: proto_acc = pixel
@@ -82,7 +82,7 @@ clients that sent it, each weighed by the engine's staleness weight s_i
                would shrink every prototype towards 0, so it is read as a typo;
     "mean"     (the reference code's `proto_aggregation`): 1, the unweighted
                mean over the clients that have the class.
-PARAM `robust` (default "none": eq. 6 as above; fedbus.algorithms.robust): "median",
+PARAM `robust` (default "none": eq. 6 as above; fedbus.algorithms.core.robust): "median",
 "trimmed_mean" (PARAM `robust_trim`) or "krum" (PARAMS `robust_f`, `robust_m`) replace the
 weighted mean of each class by that rule over the prototypes of the clients that hold the
 class (count > 0): a defence against in-range poison, not the paper's. Every prototype then
@@ -106,14 +106,15 @@ import torch
 import torch.nn.functional as F
 
 from fedbus.algorithms import Algorithm
-from fedbus.algorithms.base import (ClientUpdate, Failure, LocalRun, RoundInfo, ServerHandler,
-                                    to_tensor)
-from fedbus.algorithms.local import LocalClient, Params, opt, staleness_metrics
-from fedbus.algorithms.merge import PrototypeSums
-from fedbus.algorithms.protos import (class_counts, class_means, class_sums, fold_prototypes,
+from fedbus.algorithms.core.handlers import (ClientUpdate, Failure, LocalRun, RoundInfo,
+                                             ServerHandler, to_tensor)
+from fedbus.algorithms.core.params import Params, opt
+from fedbus.algorithms.core.training import LocalClient, staleness_metrics
+from fedbus.algorithms.core.merge import PrototypeSums
+from fedbus.algorithms.core.protos import (class_counts, class_means, class_sums, fold_prototypes,
                                       head_and_prototype_metrics, local_prototypes,
                                       pixel_samples)
-from fedbus.algorithms.robust import ROBUST_PARAMS, Outcome, Robust, report
+from fedbus.algorithms.core.robust import ROBUST_PARAMS, Outcome, Robust, report
 
 # FedProto's PARAMS entries for the client's two readings, declared apart so that the tests
 # can check their defaults on their own.
@@ -144,7 +145,7 @@ class FedProtoServer(Robust, Params, ServerHandler):
         **ROBUST_PARAMS,
     }
 
-    # eq. 6 is a per-class weighted sum: a relay pre-aggregates it (fedbus.algorithms.merge),
+    # eq. 6 is a per-class weighted sum: a relay pre-aggregates it (fedbus.algorithms.core.merge),
     # unless a robust rule replaces it (merge_rule() is then None)
     MERGE = PrototypeSums()
     # the upload is {protos, counts} only (either proto_source): record-level DP replaces it
@@ -292,7 +293,7 @@ class FedProtoClient(LocalClient):
                 sums, seen = self._done  # cut mid-epoch: the last complete epoch
             protos = sums / seen.clamp(min=1).unsqueeze(1).float()
             # |D_i,k|; for dense data the class's pixels at feature resolution, the unit
-            # the "after" prototypes count in (fedbus.algorithms.protos)
+            # the "after" prototypes count in (fedbus.algorithms.core.protos)
             full = (self.train_counts if self._feature_size is None else
                     class_counts(ctx.train_y, self.num_classes, self._feature_size))
             counts = torch.where(seen > 0, full, torch.zeros_like(full))

@@ -21,7 +21,7 @@ BatchNorm statistics are averaged but not regularised, as in the reference
 code). No option: the two agree mathematically.
 
 PARAMS: mu (default 0.01; the paper sweeps {0.001, 0.01, 0.1, 1}); robust (default "none",
-the weighted mean; "median", "trimmed_mean", "krum" as in FedAvg: fedbus.algorithms.robust).
+the weighted mean; "median", "trimmed_mean", "krum" as in FedAvg: fedbus.algorithms.core.robust).
 """
 from __future__ import annotations
 
@@ -32,9 +32,9 @@ import torch
 
 from fedbus.algorithms import Algorithm
 from fedbus.algorithms.fedavg import FedAvgClient, FedAvgServer
-from fedbus.algorithms.local import opt
-from fedbus.algorithms.merge import DeltaSums
-from fedbus.algorithms.robust import ROBUST_PARAMS
+from fedbus.algorithms.core.params import opt
+from fedbus.algorithms.core.merge import DeltaSums
+from fedbus.algorithms.core.robust import ROBUST_PARAMS
 
 
 class FedProxServer(FedAvgServer):

@@ -62,11 +62,11 @@ from typing import Any, ClassVar
 import torch
 
 from fedbus.algorithms import Algorithm
-from fedbus.algorithms.base import LocalRun
+from fedbus.algorithms.core.handlers import LocalRun
 from fedbus.algorithms.fedper import SharedPartClient, SharedPartServer
-from fedbus.algorithms.local import opt
-from fedbus.algorithms.merge import DeltaSums
-from fedbus.algorithms.split import body_parameters, head_parameters
+from fedbus.algorithms.core.params import opt
+from fedbus.algorithms.core.merge import DeltaSums
+from fedbus.algorithms.core.split import body_parameters, head_parameters
 
 
 @contextmanager

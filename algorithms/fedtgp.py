@@ -81,7 +81,7 @@ Server (Algorithm 1 lines 10-11):
 - PARAM `robust` (default "none": the server trains on the client prototypes as they
   came, as above): "median", "trimmed_mean" (`robust_trim`) or "krum" (`robust_f`,
   `robust_m`) first replace every received prototype of class c by that rule over the
-  prototypes of class c received in this aggregation (fedbus.algorithms.robust), so an
+  prototypes of class c received in this aggregation (fedbus.algorithms.core.robust), so an
   attacker's rows cannot pull the generator further than the rule allows; Q_t^c is then
   that robust value too. The rows, their number per class (the steps per epoch) and their
   staleness weights stay as they were; only their values change. A defence against
@@ -118,17 +118,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedbus.algorithms import Algorithm
-from fedbus.algorithms.base import (
-    ClientUpdate,
-    Failure,
-    LocalRun,
-    RoundInfo,
-    ServerHandler,
-    to_tensor,
-)
+from fedbus.algorithms.core.handlers import (ClientUpdate, Failure, LocalRun, RoundInfo,
+                                             ServerHandler, to_tensor)
 from fedbus.algorithms.fedgh import server_batch_size, server_training_params
-from fedbus.algorithms.local import LocalClient, Params, opt, staleness_metrics
-from fedbus.algorithms.protos import (
+from fedbus.algorithms.core.params import Params, opt
+from fedbus.algorithms.core.training import LocalClient, staleness_metrics
+from fedbus.algorithms.core.protos import (
     aggregate_prototypes,
     class_counts,
     class_means,
@@ -136,7 +131,7 @@ from fedbus.algorithms.protos import (
     local_prototypes,
     pixel_samples,
 )
-from fedbus.algorithms.robust import ROBUST_PARAMS, Outcome, Robust, report
+from fedbus.algorithms.core.robust import ROBUST_PARAMS, Outcome, Robust, report
 
 MARGINS = ("max", "max_min", "fixed", "none")
 
@@ -209,7 +204,7 @@ def prototype_regulariser(h: torch.Tensor, y: torch.Tensor, protos: torch.Tensor
              ||mean(h[y == c]) - protos[c]||_2;
     "mse":   nn.MSELoss(h, target), target row b = protos[y_b] when y_b has a
              global prototype, else h_b itself (the code's `proto_new`).
-    Dense maps (segmentation): one sample per feature pixel (fedbus.algorithms.protos)."""
+    Dense maps (segmentation): one sample per feature pixel (fedbus.algorithms.core.protos)."""
     g = protos.to(h.dtype)
     h, y = pixel_samples(h, y, len(g))
     if len(y) == 0:

@@ -8,7 +8,7 @@ LG-FedAvg, which "has no additional hyperparameters").
 
 Each client keeps its own feature extractor (the local representation; clients of a
 model group may run different extractors) and shares the head (the global model; the
-sub-module named by the network's `head_module`, fedbus.algorithms.split). Per task:
+sub-module named by the network's `head_module`, fedbus.algorithms.core.split). Per task:
 
 - the task carries {"weights": {name: array}}: the global head, its weights named
   relative to the head module ("weight", "bias"), so networks of a group whose heads
@@ -20,7 +20,7 @@ sub-module named by the network's `head_module`, fedbus.algorithms.split). Per t
 - the server applies FedAvg's rule to the head (serverlg.aggregate_parameters weights
   clients by training-set size): head += sum_k s_k n_k delta_k / sum_k s_k n_k, s_k the
   engine's staleness weight 1/sqrt(1+staleness), n_k the client's training-set size
-  (fedbus.algorithms.weights). With fresh updates from one version this is the code's
+  (fedbus.algorithms.core.weights). With fresh updates from one version this is the code's
   sum_k (n_k / n) head_k.
 
 The initial global head is client 0's seeded initial head (serverlg: the first client's

@@ -150,12 +150,12 @@ import torch
 import torch.nn.functional as F
 
 from fedbus.algorithms import Algorithm
-from fedbus.algorithms.base import (ClientUpdate, Failure, LocalRun, RoundInfo, head_metrics,
-                                    to_tensor)
+from fedbus.algorithms.core.handlers import ClientUpdate, Failure, LocalRun, RoundInfo, to_tensor
+from fedbus.algorithms.core.metrics import head_metrics
 from fedbus.algorithms.fedavg import FedAvgClient, FedAvgServer, swapped_weights
-from fedbus.algorithms.local import opt
-from fedbus.algorithms.merge import DeltaSumsAndPool
-from fedbus.algorithms.protos import class_means, embeddings
+from fedbus.algorithms.core.params import opt
+from fedbus.algorithms.core.merge import DeltaSumsAndPool
+from fedbus.algorithms.core.protos import class_means, embeddings
 
 PARAMS: dict[str, Any] = {
     "k": opt(2, "prototypes per class per client (paper Table IV: MNIST 2, Digit-5/Office-10 4, "
@@ -374,7 +374,7 @@ def pool_distances(z: torch.Tensor, pool: torch.Tensor, pool_mask: torch.Tensor,
 
 def _client_prototypes(updates: list[ClientUpdate]) -> list[ClientUpdate]:
     """One update per client with its own prototypes: a relay's merged update carries its
-    members' rows in its "pool" (fedbus.algorithms.merge.DeltaSumsAndPool)."""
+    members' rows in its "pool" (fedbus.algorithms.core.merge.DeltaSumsAndPool)."""
     out = []
     for u in updates:
         if not u.members:

@@ -14,8 +14,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from fedbus.algorithms import Algorithm
-from fedbus.algorithms.base import ClientHandler, ServerHandler
-from fedbus.algorithms.merge import ArraySums, members_of
+from fedbus.algorithms.core.handlers import ClientHandler, ServerHandler
+from fedbus.algorithms.core.merge import ArraySums, members_of
 
 SIZES = {"prototypes": (10, 512), "resnet18": (11_181_642,)}
 

@@ -96,7 +96,7 @@ Task payload: {"weights"}. "proto_acc" in evaluate: nearest prototype among
 the client's own training-set prototypes under the evaluated (global) model.
 Segmentation (Sec. 5.2, Pascal VOC with DeepLab-V3+): prototypes are per-class
 means over feature pixels, labels downsampled by nearest neighbour (S3.2), and
-counts n_k[c] are pixel counts at feature resolution (fedbus.algorithms.protos);
+counts n_k[c] are pixel counts at feature resolution (fedbus.algorithms.core.protos);
 evaluate adds "miou" (the paper's segmentation metric) and "proto_miou".
 """
 from __future__ import annotations
@@ -107,11 +107,11 @@ import numpy as np
 import torch
 
 from fedbus.algorithms import Algorithm
-from fedbus.algorithms.base import (ClientUpdate, Failure, LocalRun, RoundInfo, head_metrics,
-                                    to_tensor)
+from fedbus.algorithms.core.handlers import ClientUpdate, Failure, LocalRun, RoundInfo, to_tensor
+from fedbus.algorithms.core.metrics import head_metrics
 from fedbus.algorithms.fedavg import FedAvgClient, FedAvgServer, swapped_weights
-from fedbus.algorithms.local import opt
-from fedbus.algorithms.protos import local_prototypes, minmax_channels, prototype_metrics
+from fedbus.algorithms.core.params import opt
+from fedbus.algorithms.core.protos import local_prototypes, minmax_channels, prototype_metrics
 
 PARAMS: dict[str, Any] = {
     "norm": opt("sigmoid", "client deviations -> attention: sigmoid (eq. 11-12: sigmoid of the "

@@ -378,12 +378,12 @@ def replay_without(run_dir: Path, srcs: set[str]):
     sampling) and the refusals of its messages (which ended its tasks: "every answer of the
     attacker refused"). Returns (engine, messages skipped)."""
     from fedbus.broker import wire
-    from fedbus.node.msglog import read_log
-    from fedbus.node.replay import load_run
+    from fedbus.record.msglog import read_log
+    from fedbus.analysis.replay import load_run
     from fedbus.node.server import build_engine, dispatch
 
     try:
-        from fedbus.node.replay import take_refused
+        from fedbus.analysis.replay import take_refused
     except ImportError:  # a fedbus from before refusals were logged (the bench's baseline)
         take_refused = None
 

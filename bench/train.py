@@ -166,7 +166,7 @@ def logged_sizes(run_dir: Path) -> tuple[list[int] | None, list[int] | None]:
     eval results' num_test) as the server received them; None without a message log."""
     from fedbus.broker.wire import decode
     from fedbus.node.engine import client_index
-    from fedbus.node.msglog import read_log
+    from fedbus.record.msglog import read_log
 
     if not (Path(run_dir) / "messages.bin").exists():
         return None, None
@@ -196,7 +196,7 @@ class Reference:
         import torch
 
         from fedbus.algorithms.fedproto import FedProtoServer
-        from fedbus.algorithms.local import default_of
+        from fedbus.algorithms.core.params import default_of
         from fedbus.node.config import build_config
         from fedbus.node.setup import federated_data, make_model
 

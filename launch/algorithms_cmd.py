@@ -109,7 +109,7 @@ def merge_of(server_cls: type) -> str | None:
 def dp_of(server_cls: type) -> list[str]:
     """The [privacy] dp levels the class admits, as the preflight reads them."""
     try:
-        from fedbus.node.dp import dp_levels
+        from fedbus.node.privacy.dp import dp_levels
     except ImportError:  # [privacy] extras' modules missing: the class's own declaration
         return list(vars(server_cls).get("DP_LEVELS", ()))
     return list(dp_levels(server_cls))

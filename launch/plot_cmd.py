@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from fedbus.node import plots
+    from fedbus.analysis import plots
 
     if len(args.label) > len(args.runs):
         print(f"fedbus plot: {len(args.label)} --label for {len(args.runs)} run(s)",

@@ -14,9 +14,9 @@ that names the config key and the problem. What it checks:
   two clients, and it holds as many clients as the federation;
 - log.tensorboard: TensorBoard is installed when asked for;
 - [privacy]: secure aggregation and DP are refused, with one line saying why, for an
-  algorithm or mode they cannot serve (fedbus.node.secure_round.privacy_refusal);
+  algorithm or mode they cannot serve (fedbus.node.privacy.secure_round.privacy_refusal);
 - log.ffd_reference: a run directory whose checkpoint holds a global model of this
-  run's architecture, and an algorithm with one global model (fedbus.node.ffd);
+  run's architecture, and an algorithm with one global model (fedbus.analysis.ffd);
 - the networks build on that data (conv nets need images; a weight-averaging
   algorithm needs one architecture; a group shares one feature dim).
 
@@ -67,11 +67,12 @@ def check_inputs(cfg: Config) -> None:
         raise PreflightError(f"data.partition = {data.partition!r}: {err}") from None
 
     if cfg.log.tensorboard:
-        from fedbus.node.tensorboard import require
+        from fedbus.record import MissingExtra
+        from fedbus.record.tensorboard import require
 
         try:
             require()
-        except ConfigError as err:  # names the pip command
+        except MissingExtra as err:  # names the pip command
             raise PreflightError(str(err)) from None
 
     from fedbus.algorithms import get_algorithm
@@ -85,14 +86,14 @@ def check_inputs(cfg: Config) -> None:
         key, value = ("model.group", model.group) if model.group else ("model.arch", model.arch)
         raise PreflightError(f"{key} = {value!r}: {err}") from None
 
-    from fedbus.node.secure_round import privacy_refusal
+    from fedbus.node.privacy.secure_round import privacy_refusal
 
     reason = privacy_refusal(cfg)
     if reason is not None:
         raise PreflightError(reason)
 
     if cfg.log.ffd_reference:
-        from fedbus.node.ffd import check_reference
+        from fedbus.analysis.ffd import check_reference
 
         try:
             check_reference(cfg)

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fedbus.node.rundir import read_metrics
+from fedbus.record.rundir import read_metrics
 
 
 def _read_status(run_dir: Path) -> dict[str, Any]:

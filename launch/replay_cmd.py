@@ -38,8 +38,8 @@ def _jsonable(value):
 
 
 def main(args: argparse.Namespace) -> int:
-    from fedbus.node.msglog import LogCorrupt
-    from fedbus.node.replay import replay_client, replay_server
+    from fedbus.record.msglog import LogCorrupt
+    from fedbus.analysis.replay import replay_client, replay_server
 
     try:
         if args.client is not None:

@@ -69,9 +69,27 @@ def main(args: argparse.Namespace) -> int:
     except AuthError as err:
         print(f"fedbus server: {err}", file=sys.stderr)
         return 2
+    from fedbus.record import MissingExtra
+
     try:
         server = ServerNode(cfg, run_dir, args.broker, resume=bool(args.resume), curve=curve)
-    except ConfigError as err:
+        if cfg.log.ffd_reference:
+            attach_ffd(server, cfg)
+    except (ConfigError, MissingExtra) as err:
         print(f"fedbus server: config error: {err}", file=sys.stderr)
         return 2
     return server.serve()
+
+
+def attach_ffd(server, cfg) -> None:
+    """log.ffd_reference: every evaluated record also gets the federated feature
+    discrepancy against the reference run (fedbus.analysis.ffd). An analysis metric, not
+    part of the replayed mathematics, so it is wired here and not in the server."""
+    from fedbus.analysis.ffd import FeatureDiscrepancy
+    from fedbus.broker.log import get_logger
+
+    log = get_logger("fedbus.server")
+    ffd = FeatureDiscrepancy(cfg)
+    for note in ffd.notes:
+        log.warning("ffd reference", note=note)
+    server.engine.eval_metrics.append(ffd.record_metrics)

@@ -23,7 +23,7 @@ Pascal VOC 2012 (with a MobileNet-V2 encoder). This is a CPU-sized version of it
 Split (fedbus.models.base.ProtoNet):
     features(x) -> h  float [B, feature_dim, H/4, W/4]: the dense prototype space; a class
                       prototype is the mean of h over the pixels of that class (labels
-                      downsampled to H/4 by nearest neighbour: fedbus.algorithms.protos).
+                      downsampled to H/4 by nearest neighbour: fedbus.algorithms.core.protos).
     head(h) -> logits [B, num_classes, H, W]: ``classifier`` (a 1x1 conv, DeepLab's last
                       layer) then bilinear upsampling to the input size.
     head_module = "classifier".

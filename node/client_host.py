@@ -22,14 +22,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedbus.algorithms.base import ClientHandler, LocalRun
+from fedbus.algorithms.core.handlers import ClientHandler, LocalRun
 from fedbus.broker.log import get_logger
 from fedbus.broker.peer import Peer
 from fedbus.broker.wire import Message
 from fedbus.node.config import Config, build_config
 from fedbus.node.engine import SERVER, client_address, client_index
-from fedbus.node.msglog import MessageLogWriter
-from fedbus.node.privacy import protect
+from fedbus.record.msglog import MessageLogWriter
+from fedbus.node.privacy.prototypes import protect
 from fedbus.node.validate import non_finite
 from fedbus.node.pool import ClientPool
 
@@ -64,7 +64,7 @@ class ClientNode:
         self.peer: Peer | None = None
         self.deferred: list = []  # heap of (due, order, task message, update body)
         self._order = itertools.count()
-        self.secure = None  # fedbus.node.secure_round.SecureClient under secure aggregation
+        self.secure = None  # fedbus.node.privacy.secure_round.SecureClient under secure aggregation
 
     def configure(self, run_id: str, raw: dict[str, Any]) -> None:
         if self.pool is None or run_id != self.run_id:  # else the server re-registered
@@ -93,8 +93,8 @@ class ClientNode:
                 break
         if cfg.privacy.secure_aggregation:
             from fedbus.algorithms import get_algorithm
-            from fedbus.algorithms.local import resolved_params
-            from fedbus.node.secure_round import SecureClient
+            from fedbus.algorithms.core.params import resolved_params
+            from fedbus.node.privacy.secure_round import SecureClient
 
             server_cls = get_algorithm(cfg.algorithm.name).server
             params = resolved_params(server_cls, dict(cfg.algorithm))
@@ -291,14 +291,15 @@ def run_task(handler: ClientHandler, body: dict[str, Any]) -> tuple[dict[str, An
 
 def dp_release(handler: ClientHandler, payload: dict[str, Any], privacy: dict[str, Any],
                seed: int) -> dict[str, Any]:
-    """privacy.dp on the client, before anything leaves it (fedbus.node.dp): "record"
+    """privacy.dp on the client, before anything leaves it (fedbus.node.privacy.dp): "record"
     replaces the prototypes and counts with a record-level DP release over the client's
     training set (each sample's feature clipped, per-class sums and counts noised);
     "client" clips the weight delta (the server noises the round's sum)."""
     mechanism = privacy.get("dp", "off")
-    if mechanism in ("off", "sgd"):  # sgd: DP in training (fedbus.algorithms.dp_sgd), delta as is
+    # sgd: DP in training (fedbus.algorithms.core.dp_sgd), the delta goes as it is
+    if mechanism in ("off", "sgd"):
         return payload
-    from fedbus.node import dp
+    from fedbus.node.privacy import dp
 
     if mechanism == "record":
         ctx = handler.ctx

@@ -13,7 +13,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from fedbus.algorithms.params import Opt  # declared with the algorithms; the name stays here
+from fedbus.algorithms.core.params import Opt  # declared with the algorithms; the name stays here
 
 
 class ConfigError(ValueError):
@@ -119,7 +119,7 @@ SCHEMA: dict[str, dict[str, Opt]] = {
                            min=0.0),
         "withhold_counts": Opt(False, "upload class presence (0/1) instead of sample counts"),
         "secure_aggregation": Opt(False, "the server learns only the sum of a round's updates "
-                                  "(SecAgg+, fedbus.node.secagg; sync runs of algorithms "
+                                  "(SecAgg+, fedbus.node.privacy.secagg; sync runs of algorithms "
                                   "that declare a merge rule)"),
         "secagg_neighbours": Opt(0, "secure aggregation: peers each client shares its mask "
                                  "seeds with (0 = auto: every other client of a cohort up "
@@ -139,7 +139,7 @@ SCHEMA: dict[str, dict[str, Opt]] = {
                   "algorithms), client (each weight delta clipped, the sum noised: "
                   "weight-sharing algorithms) or sgd (DP-SGD with Opacus in local training: "
                   "each sample's gradient clipped, each step noised; weight-sharing "
-                  "algorithms); fedbus.node.dp", ("off", "record", "client", "sgd")),
+                  "algorithms); fedbus.node.privacy.dp", ("off", "record", "client", "sgd")),
         "dp_clip": Opt(1.0, "dp: the L2 clip C of a sample's feature (record), of a "
                        "client's update (client) or of a sample's gradient (sgd)", min=1e-9),
         "dp_noise_multiplier": Opt(1.0, "dp: Gaussian noise std over the clip (z; the noise "
@@ -204,7 +204,7 @@ SCHEMA: dict[str, dict[str, Opt]] = {
                              "relative to the working directory): each evaluation records "
                              "FFD, the MMD between the global model's and the reference's "
                              "features on every client's data (simulation only; "
-                             "fedbus.node.ffd)"),
+                             "fedbus.analysis.ffd)"),
         "ffd_split": Opt("train", "FFD: the client split the features are taken on",
                          ("train", "test")),
         "ffd_samples": Opt(500, "FFD: at most this many samples per client, a fixed random "
@@ -317,7 +317,7 @@ def build_config(raw: Mapping[str, Any], overrides: Sequence[str] = ()) -> Confi
             opts = {**opts, **algorithm_params(table.get("name", opts["name"].default))}
         unknown = sorted(set(table) - set(opts))
         if unknown:
-            from fedbus.algorithms.robust import unsupported_hint
+            from fedbus.algorithms.core.robust import unsupported_hint
 
             raise ConfigError(f"unknown key {section}.{unknown[0]}; [{section}] keys are "
                               f"{', '.join(sorted(opts))}"

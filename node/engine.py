@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from fedbus.algorithms.base import ClientUpdate, Failure, RoundInfo, ServerHandler, Work
-from fedbus.algorithms.merge import members_of
+from fedbus.algorithms.core.handlers import ClientUpdate, Failure, RoundInfo, ServerHandler, Work
+from fedbus.algorithms.core.merge import members_of
 from fedbus.node.config import Config
 from fedbus.node.validate import Norms, canonical_client, run_norms
 
@@ -173,7 +173,7 @@ class RoundState:
     params_up: int = 0
     params_down: int = 0
     members: frozenset = frozenset()  # the sampled clients as a set: a per-update check
-    secure: Any = None  # fedbus.node.secure_round.SecureRound under secure aggregation
+    secure: Any = None  # fedbus.node.privacy.secure_round.SecureRound under secure aggregation
 
     def __post_init__(self) -> None:
         self.members = frozenset(self.sampled)
@@ -252,7 +252,7 @@ class Engine:
         self.stopped = ""  # why the run ended before its rounds, if it did
         # The seed of the server's DP noise: the run's seed ("seeded", which every node
         # knows), unless the shell sets the run's secret one (privacy.dp_noise = "secret":
-        # fedbus.node.budget.run_noise_seed)
+        # fedbus.node.privacy.budget.run_noise_seed)
         self.noise_seed = int(self.fed.seed)
         self.records: list[dict[str, Any]] = []  # metrics, drained by the shell
         # Labelled units per training sample (1; H * W pixels for segmentation masks): the
@@ -269,14 +269,14 @@ class Engine:
         self._bounds: dict[int, dict[str, Any]] = {}
         self.test_sizes: dict[int, int] = {}
         self.norms = server_norms(cfg, handler)
-        # Secure aggregation (fedbus.node.secure_round): the length of the sum form the
+        # Secure aggregation (fedbus.node.privacy.secure_round): the length of the sum form the
         # clients mask, from the handler's merge rule.
         self.secure = bool(cfg.privacy.secure_aggregation) and not self.async_mode
         self.sum_spec: dict[str, Any] | None = None
-        # Differential privacy (fedbus.node.budget): what the run has spent, and its budget.
+        # Differential privacy (fedbus.node.privacy.budget): what the run has spent, and its budget.
         self.ledger = None
         if cfg.privacy.dp != "off":
-            from fedbus.node.budget import PrivacyLedger
+            from fedbus.node.privacy.budget import PrivacyLedger
 
             self.ledger = PrivacyLedger(cfg.privacy, cfg.train, self.train_sizes)  # sgd: n
         self.count_epochs = int(handler.count_epochs())
@@ -285,7 +285,7 @@ class Engine:
         self.slow = self._pick_slow_clients()
         # Analysis metrics computed by the server itself when an evaluation starts, from
         # the handler (its global state is then exactly the evaluated version) and the
-        # record so far; their result joins the record (e.g. fedbus.node.ffd). No
+        # record so far; their result joins the record (e.g. fedbus.analysis.ffd). No
         # message depends on them, so a replay need not attach them.
         self.eval_metrics: list[Callable[[ServerHandler, dict[str, Any]], dict[str, Any]]] = []
 
@@ -685,7 +685,7 @@ class Engine:
 
     def on_merged(self, node: str, body: dict[str, Any], nbytes: int, now: float) -> list[Out]:
         """A relay's pre-aggregated update (already validated): its members answered their
-        tasks; the handler aggregates its sum form once (fedbus.algorithms.merge)."""
+        tasks; the handler aggregates its sum form once (fedbus.algorithms.core.merge)."""
         version = int(body["version"])
         members = []
         task_round = None
@@ -845,7 +845,7 @@ class Engine:
             return out
         return out + self._progress(now)
 
-    # --- differential privacy (fedbus.node.budget, fedbus.node.dp) ---
+    # --- differential privacy (fedbus.node.privacy.budget, fedbus.node.privacy.dp) ---
 
     def _within_budget(self, live: list[int]) -> list[int]:
         """The live clients whose next release stays within privacy.target_epsilon; the
@@ -872,7 +872,7 @@ class Engine:
     def _dp_noised(self, form: dict[str, Any]) -> dict[str, Any]:
         """Client-level DP: N(0, (z C)^2) on the round's sum of clipped deltas, drawn from
         noise_seed and the version (a replay that has the seed draws the same)."""
-        from fedbus.node.dp import gaussian_like
+        from fedbus.node.privacy.dp import gaussian_like
 
         seed = int(np.random.SeedSequence([self.noise_seed, 0xD9, self.version])
                    .generate_state(1)[0])
@@ -883,8 +883,8 @@ class Engine:
         """Client-level DP without secure aggregation: the round's clipped deltas summed
         with weight 1 each (a relay's merged sum is one already), noised, as one merged
         update: the handler steps by sum / number of clients."""
-        from fedbus.algorithms.local import resolved_params
-        from fedbus.algorithms.merge import weighted_sum
+        from fedbus.algorithms.core.params import resolved_params
+        from fedbus.algorithms.core.merge import weighted_sum
 
         if not updates:
             return []
@@ -901,7 +901,7 @@ class Engine:
                              num_samples=sum(u.num_samples for u in members),
                              work=members[0].work, version=self.version, members=members)]
 
-    # --- secure aggregation (fedbus.node.secure_round; PROTOCOL.md §12) ---
+    # --- secure aggregation (fedbus.node.privacy.secure_round; PROTOCOL.md §12) ---
 
     def secure_spec(self) -> dict[str, Any]:
         """The sum form the clients mask: the handler's merge rule's spec."""
@@ -913,7 +913,7 @@ class Engine:
         return self.sum_spec
 
     def _secure_round(self, sampled: list[int], now: float) -> Any:
-        from fedbus.node.secure_round import SecureRound, spec_length
+        from fedbus.node.privacy.secure_round import SecureRound, spec_length
 
         seed = int(np.random.SeedSequence([self.fed.seed, 0x5ECA6, self.version])
                    .generate_state(1)[0])
@@ -924,7 +924,7 @@ class Engine:
     def is_expected_secagg(self, src: str, body: dict[str, Any]) -> str | None:
         """Why a client's secure-aggregation step must be refused, or None: it answers its
         task of the round in progress, in the phase that asks for it, once."""
-        from fedbus.node.secure_round import CLIENT_STEPS
+        from fedbus.node.privacy.secure_round import CLIENT_STEPS
 
         step = body.get("step")
         if step not in CLIENT_STEPS:
@@ -974,7 +974,7 @@ class Engine:
     def on_secagg(self, src: str, body: dict[str, Any], now: float,
                   nbytes: int = 0) -> list[Out]:
         """A client's step (already judged): keys, shares, or a reveal."""
-        from fedbus.node.secagg import SecAggError
+        from fedbus.node.privacy.secagg import SecAggError
 
         r = self.round
         assert r is not None and r.secure is not None
@@ -1004,7 +1004,7 @@ class Engine:
     def _secure_peers(self, now: float) -> list[Out]:
         """Keys are in (or their time is up): fix the neighbour graph, send each its peers.
         A sampled client that sent no keys cannot take part: its task ends."""
-        from fedbus.node.secagg import SecAggError
+        from fedbus.node.privacy.secagg import SecAggError
 
         r = self.round
         s = r.secure
@@ -1038,7 +1038,7 @@ class Engine:
         """Shares are in (or their time is up): tell each client that sent shares which of
         its peers did, the peers whose pairwise masks its input carries (Bonawitz et al.'s
         U2): a client that sent keys but no shares cannot spoil the round."""
-        from fedbus.node.secagg import SecAggError
+        from fedbus.node.privacy.secagg import SecAggError
 
         r = self.round
         s = r.secure
@@ -1088,7 +1088,7 @@ class Engine:
 
     def _secure_unmask(self, now: float) -> list[Out]:
         """The round closes: the inputs in are the survivors; ask each to unmask."""
-        from fedbus.node.secagg import SecAggError
+        from fedbus.node.privacy.secagg import SecAggError
 
         r = self.round
         s = r.secure
@@ -1121,8 +1121,8 @@ class Engine:
     def _secure_finish(self, now: float) -> list[Out]:
         """Every survivor revealed, or the time is up: unmask the sum, check it as the
         server checks a relay's merged update, hand it to the handler."""
-        from fedbus.node.secagg import SecAggError
-        from fedbus.node.secure_round import unflatten
+        from fedbus.node.privacy.secagg import SecAggError
+        from fedbus.node.privacy.secure_round import unflatten
         from fedbus.node.validate import Rejected, check_merged
 
         r = self.round

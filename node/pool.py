@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from fedbus.algorithms import get_algorithm
-from fedbus.algorithms.base import ClientContext, ClientHandler
+from fedbus.algorithms.core.handlers import ClientContext, ClientHandler
 from fedbus.models import arch_for_client
 from fedbus.node.config import Config
 from fedbus.node.data import FederatedData

@@ -11,7 +11,7 @@ What goes down: the run's config (to each node, as it joins), tasks, evaluations
 errors and the shutdown, unchanged. What comes up: evaluation results, handler failures,
 and, per sync round, ONE merged update standing for the round's updates of every client
 below (kind "merged", PROTOCOL.md §4) when the algorithm declares how its updates merge
-(ServerHandler.MERGE, fedbus.algorithms.merge); otherwise each update unchanged.
+(ServerHandler.MERGE, fedbus.algorithms.core.merge); otherwise each update unchanged.
 
 A round's group at the relay closes when every task the server sent this node for the
 round (the task's "node_tasks") has been answered or has failed, or at the relay's own
@@ -38,15 +38,15 @@ from typing import Any
 import numpy as np
 
 from fedbus.algorithms import get_algorithm
-from fedbus.algorithms.base import Work
-from fedbus.algorithms.local import resolved_params
-from fedbus.algorithms.merge import form_nbytes
+from fedbus.algorithms.core.handlers import Work
+from fedbus.algorithms.core.params import resolved_params
+from fedbus.algorithms.core.merge import form_nbytes
 from fedbus.broker.log import get_logger
 from fedbus.broker.peer import Peer
 from fedbus.broker.wire import BROADCAST, BROKER, SERVER, Message
 from fedbus.node.config import build_config
 from fedbus.node.engine import client_index
-from fedbus.node.secure_round import MaskedSums
+from fedbus.node.privacy.secure_round import MaskedSums
 from fedbus.node.validate import Rejected, check_update, run_norms
 
 log = get_logger("fedbus.relay")
@@ -314,7 +314,8 @@ class Relay:
                 log.warning("update not merged: refused", client=address, reason=problem)
             elif body.get("version") == g.version:
                 work = Work.from_dict(body["work"])
-                # (client-level DP sums clipped deltas with weight 1 each: fedbus.node.budget)
+                # (client-level DP sums clipped deltas with weight 1 each:
+                # fedbus.node.privacy.budget)
                 n = 1 if self.privacy.get("dp") == "client" else int(body["num_samples"])
                 form = self.rule.lift(body["payload"], n, work, self.params,
                                       client_index(address))

@@ -17,18 +17,18 @@ from typing import Any
 import torch
 
 from fedbus.algorithms import get_algorithm
-from fedbus.algorithms.base import ServerContext, ServerHandler, Work
+from fedbus.algorithms.core.handlers import ServerContext, ServerHandler, Work
 from fedbus.broker.log import get_logger
 from fedbus.broker.peer import Peer
 from fedbus.broker.wire import BROKER, Message, decode_body, encode_body
 from fedbus.models import describe_group
-from fedbus.node.budget import run_noise_seed, uses_secret_server_noise
+from fedbus.node.privacy.budget import run_noise_seed, uses_secret_server_noise
 from fedbus.node.config import Config, ConfigError
 from fedbus.node.engine import (SERVER, Engine, Out, Refusal, client_address, client_index,
                                 count_params)
-from fedbus.node.msglog import MessageLogWriter
-from fedbus.node.rundir import RunDir, atomic_write, summarise
-from fedbus.node.secure_round import privacy_refusal
+from fedbus.record.msglog import MessageLogWriter
+from fedbus.record.rundir import RunDir, atomic_write, summarise
+from fedbus.node.privacy.secure_round import privacy_refusal
 from fedbus.node.setup import (arch_builder, check_models, distinct_archs, federated_data,
                                make_model, pooled_train)
 from fedbus.node.validate import Rejected, check_eval_result, check_merged, check_update
@@ -63,7 +63,7 @@ def build_engine(cfg: Config, run_id: str) -> Engine:
     engine.label_pixels = data.label_pixels
     engine.test_sizes = {i: len(data.parts[i].test) for i in range(n)}
     # per-class bounds; segmentation counts pixels, and record-level DP sends noisy class
-    # presence (a class the client lacks may show, fedbus.node.dp): the total bounds only
+    # presence (a class the client lacks may show, fedbus.node.privacy.dp): the total bounds only
     if data.label_pixels == 1 and cfg.privacy.dp != "record":
         per_class = data.class_counts("train")
         engine.class_samples = {i: per_class[i] for i in range(n)}
@@ -317,13 +317,6 @@ class ServerNode:
         self.engine = build_engine(cfg, self.run_id)
         if uses_secret_server_noise(cfg.privacy):
             self.engine.noise_seed = run_noise_seed(self.run.path, create=True)
-        if cfg.log.ffd_reference:  # analysis metric, not part of the replayed mathematics
-            from fedbus.node.ffd import FeatureDiscrepancy
-
-            ffd = FeatureDiscrepancy(cfg)
-            for note in ffd.notes:
-                log.warning("ffd reference", note=note)
-            self.engine.eval_metrics.append(ffd.record_metrics)
         self.started = time.time()
         self.msglog: MessageLogWriter | None = None
         self._status_at = 0.0
@@ -504,7 +497,7 @@ class ServerNode:
         summary = summarise(self.run.records, algorithm=self.cfg.algorithm.name,
                             totals=e.totals, wall_s=wall,
                             target_acc=self.cfg.federation.target_acc)
-        if e.ledger is not None:  # what the run spent (fedbus.node.budget)
+        if e.ledger is not None:  # what the run spent (fedbus.node.privacy.budget)
             summary["privacy"] = {**e.ledger.record(), "stopped": e.stopped or None}
         if e.secure:
             failed = sum(1 for r in self.run.records if r.get("secagg", {}).get("failed"))
@@ -517,7 +510,7 @@ class ServerNode:
                          encode_body({"clients": {str(k): v for k, v in embeddings.items()},
                                       **global_prototypes(e.handler.state_dict())}))
         masks = getattr(e, "final_masks", None)
-        if masks:  # segmentation: the mask plot's images (fedbus.node.plots)
+        if masks:  # segmentation: the mask plot's images (fedbus.analysis.plots)
             atomic_write(self.run.path / "masks.fbk",
                          encode_body({"clients": {str(k): v for k, v in masks.items()}}))
         self.run.write_status(self._status(time.time()))

@@ -65,7 +65,7 @@ def check_models(cfg: Config, needs_same_model: bool, needs_same_head: bool = Fa
         raise ConfigError(f"model.group gives different feature dims {dims}; set "
                           "model.feature_dim so prototypes share one space")
     if needs_same_head and len(names) > 1:
-        from fedbus.algorithms.split import head_names
+        from fedbus.algorithms.core.split import head_names
 
         heads = {}
         for arch, model in models.items():  # the networks built for the dims above

@@ -25,8 +25,8 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 from fedbus.algorithms import get_algorithm
-from fedbus.algorithms.base import (ClientContext, ClientUpdate, LocalRun, RoundInfo,
-                                    ServerContext, Work)
+from fedbus.algorithms.core.handlers import (ClientContext, ClientUpdate, LocalRun, RoundInfo,
+                                             ServerContext, Work)
 
 C, D = 10, 32
 TRAIN = {"lr": 0.05, "momentum": 0.5, "weight_decay": 0.0, "batch_size": 32}

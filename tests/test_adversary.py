@@ -41,7 +41,7 @@ def test_a_hostile_participant_is_refused_and_changes_nothing(tmp_path, attack):
     assert o.peaks.get("broker", 0) < 400, o.peaks
     assert o.peaks.get("server", 0) < 1200, o.peaks
     # the refusals were logged as events, not the refused bytes: the replay is identical
-    from fedbus.node.replay import replay_server
+    from fedbus.analysis.replay import replay_server
 
     result = replay_server(tmp_path / attack.name / "run")
     assert result.divergence is None, result.divergence

@@ -12,7 +12,7 @@ from algo_support import check_spec, make_model_fn, seven_class_digits, tiny_har
 from helpers import SMALL, merged, metrics, run_federation
 
 from fedbus.algorithms import get_algorithm
-from fedbus.algorithms.base import Failure, LocalRun, RoundInfo
+from fedbus.algorithms.core.handlers import Failure, LocalRun, RoundInfo
 from fedbus.algorithms.proto_attention import (ProtoAttentionClient, ProtoAttentionServer,
                                                aggregate_mean_margin, attention_weights,
                                                client_score, normalise_scores,

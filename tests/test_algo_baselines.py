@@ -13,7 +13,7 @@ from algo_support import (check_spec, client_ctx, freeze, iid_digits_parts, make
 from torch import nn
 
 from fedbus.algorithms import get_algorithm
-from fedbus.algorithms.base import Failure, LocalRun, RoundInfo, model_weights
+from fedbus.algorithms.core.handlers import Failure, LocalRun, RoundInfo, model_weights
 
 torch.set_num_threads(1)
 
@@ -73,7 +73,7 @@ def test_fedavg_staleness_weights_by_hand():
 @pytest.mark.parametrize("name", ["fedavg", "fedatt"])
 def test_partial_drop_counts_partial_updates_as_failures(name):
     """partial = "drop": Michieli & Ozay's FedAvg without toleration (Table 3)."""
-    from fedbus.algorithms.base import Work
+    from fedbus.algorithms.core.handlers import Work
     from fedbus.node.config import ConfigError, build_config
 
     full = {"weight": np.array([[1.0, 0.0]], np.float32), "bias": np.array([1.0], np.float32)}

@@ -19,7 +19,7 @@ from algo_support import (TRAIN, BodyHead, check_spec, client_ctx, digits_parts,
 from torch import nn
 
 from fedbus.algorithms import get_algorithm
-from fedbus.algorithms.base import Failure, LocalRun, RoundInfo, Work, model_weights
+from fedbus.algorithms.core.handlers import Failure, LocalRun, RoundInfo, Work, model_weights
 from fedbus.algorithms.fd import distillation_loss
 
 torch.set_num_threads(1)
@@ -423,7 +423,7 @@ def test_lg_fedavg_heads_named_differently_share_one_head():
         other.fc2.weight.fill_(-3.0)
     x = torch.tensor([[1.0, 1.0]] * 8)
     y = torch.zeros(8, dtype=torch.int64)
-    from fedbus.algorithms.base import ClientContext
+    from fedbus.algorithms.core.handlers import ClientContext
     ctx = ClientContext(client=1, model=other, device=torch.device("cpu"), train_x=x,
                         train_y=y, test_x=x, test_y=y, num_classes=1, feature_dim=2,
                         params={}, train=TRAIN, seed=0)

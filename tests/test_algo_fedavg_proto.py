@@ -16,8 +16,9 @@ from algo_support import TRAIN, BodyHead, C, D, check_spec, freeze, server_ctx, 
 from torch import nn
 
 from fedbus.algorithms import get_algorithm
-from fedbus.algorithms.base import ClientContext, Failure, LocalRun, RoundInfo, model_weights
-from fedbus.algorithms.local import default_of
+from fedbus.algorithms.core.handlers import (ClientContext, Failure, LocalRun, RoundInfo,
+                                             model_weights)
+from fedbus.algorithms.core.params import default_of
 
 torch.set_num_threads(1)
 
@@ -67,7 +68,7 @@ def test_fedavg_proto_defaults_follow_the_paper():
     assert defaults == {"every_round": False,  # Algorithm 1: prototypes in round T only
                         "aggregate": "mean",  # eq. 3
                         "infer_model": "global",  # Sec. II-B: the latest model parameters
-                        # a defence, off by default (fedbus.algorithms.robust)
+                        # a defence, off by default (fedbus.algorithms.core.robust)
                         "robust": "none", "robust_trim": 0.1, "robust_f": 1, "robust_m": 1}
 
 

@@ -18,7 +18,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 from fedbus.algorithms import get_algorithm
-from fedbus.algorithms.base import ClientContext, Failure, LocalRun, RoundInfo
+from fedbus.algorithms.core.handlers import ClientContext, Failure, LocalRun, RoundInfo
 
 torch.set_num_threads(1)
 
@@ -45,7 +45,7 @@ def test_fedproto_spec_and_initial_task():
 
 def test_fedproto_defaults_follow_the_paper():
     from fedbus.algorithms.fedproto import INFER_CLASSES, PROTO_LOSS, FedProtoServer
-    from fedbus.algorithms.local import default_of
+    from fedbus.algorithms.core.params import default_of
     defaults = {k: default_of(v) for k, v in FedProtoServer.PARAMS.items()}
     assert defaults == {"lam": 1.0,  # the paper's best lambda on MNIST and FEMNIST
                         "proto_loss": "mse",  # App. B eq. 1 (eq. 8 leaves d open), the code
@@ -53,7 +53,7 @@ def test_fedproto_defaults_follow_the_paper():
                         "keep_missing": True,  # = the code's set replacement at full participation
                         "infer_classes": "all",  # eq. 4
                         "proto_source": "after",  # eq. 3
-                        # a defence, off by default (fedbus.algorithms.robust)
+                        # a defence, off by default (fedbus.algorithms.core.robust)
                         "robust": "none", "robust_trim": 0.1, "robust_f": 1, "robust_m": 1}
     assert default_of(PROTO_LOSS) == "mse" and default_of(INFER_CLASSES) == "all"
 

@@ -16,7 +16,7 @@ from algo_support import (TRAIN, C, D, check_spec, client_ctx, digits_parts, fre
                           server_ctx, simulate, update)
 
 from fedbus.algorithms import get_algorithm
-from fedbus.algorithms.base import Failure, LocalRun, RoundInfo, ServerContext
+from fedbus.algorithms.core.handlers import Failure, LocalRun, RoundInfo, ServerContext
 from fedbus.algorithms.fedtgp import adaptive_margin, presence, prototype_regulariser
 
 torch.set_num_threads(1)

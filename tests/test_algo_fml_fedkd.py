@@ -28,8 +28,8 @@ from algo_support import (
 from torch import nn
 
 from fedbus.algorithms import get_algorithm
-from fedbus.algorithms.aux_model import choose_arch, count_trainable
-from fedbus.algorithms.base import Failure, LocalRun, RoundInfo, Work, model_weights
+from fedbus.algorithms.fml import choose_arch, count_trainable
+from fedbus.algorithms.core.handlers import Failure, LocalRun, RoundInfo, Work, model_weights
 from fedbus.algorithms.fedkd import (
     energy_rank,
     energy_threshold,

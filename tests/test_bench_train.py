@@ -103,8 +103,8 @@ def _digits_client():
 def test_one_pass_evaluation_equals_the_head_and_prototype_passes_bit_for_bit():
     import torch
 
-    from fedbus.algorithms.base import head_metrics
-    from fedbus.algorithms.protos import (
+    from fedbus.algorithms.core.metrics import head_metrics
+    from fedbus.algorithms.core.protos import (
         class_means,
         embeddings,
         head_and_prototype_metrics,
@@ -130,8 +130,8 @@ def test_one_pass_evaluation_runs_a_network_whose_forward_is_its_own():
     head_metrics scores it, not by a head applied to its features."""
     import torch
 
-    from fedbus.algorithms.base import head_metrics
-    from fedbus.algorithms.protos import head_and_prototype_metrics, prototype_metrics
+    from fedbus.algorithms.core.metrics import head_metrics
+    from fedbus.algorithms.core.protos import head_and_prototype_metrics, prototype_metrics
 
     model, x, y = _digits_client()
 
@@ -150,7 +150,7 @@ def test_head_loss_sum_is_the_python_float_sum_of_the_batch_sums():
     import torch
     import torch.nn.functional as F
 
-    from fedbus.algorithms.base import head_metrics
+    from fedbus.algorithms.core.metrics import head_metrics
 
     model, x, y = _digits_client()
     model.eval()

@@ -1,4 +1,4 @@
-"""fedbus.node.dp: the accountant against dp-accounting's own numbers, the record-level
+"""fedbus.node.privacy.dp: the accountant against dp-accounting's own numbers, the record-level
 prototype release on real data (scikit-learn's digits) through a real fedbus network, the
 client-level clipping and noise, and which algorithms admit which mechanism."""
 from __future__ import annotations
@@ -16,10 +16,10 @@ from dp_accounting import pld, rdp
 from sklearn.datasets import load_digits
 
 from fedbus.algorithms import available, get_algorithm
-from fedbus.algorithms.base import ServerHandler
-from fedbus.algorithms.protos import local_prototypes
+from fedbus.algorithms.core.handlers import ServerHandler
+from fedbus.algorithms.core.protos import local_prototypes
 from fedbus.models.small import MLP
-from fedbus.node.dp import (
+from fedbus.node.privacy.dp import (
     PLD_DISCRETIZATION,
     RDP_ORDERS,
     Accountant,

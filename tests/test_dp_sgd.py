@@ -1,4 +1,4 @@
-"""privacy.dp = "sgd": DP-SGD in local training with Opacus (fedbus.algorithms.dp_sgd).
+"""privacy.dp = "sgd": DP-SGD in local training with Opacus (fedbus.algorithms.core.dp_sgd).
 
 One step is a plain SGD step when the clip never binds and the noise is nil; per-sample
 gradients are Opacus's and match a manual per-sample computation; a small clip bounds one
@@ -19,15 +19,15 @@ import torch
 import torch.nn.functional as F
 
 from fedbus.algorithms import get_algorithm
-from fedbus.algorithms.base import ClientContext, LocalRun
+from fedbus.algorithms.core.handlers import ClientContext, LocalRun
 from fedbus.broker.wire import decode
 from fedbus.models.registry import build_model
-from fedbus.node.budget import PrivacyLedger
+from fedbus.node.privacy.budget import PrivacyLedger
 from fedbus.node.client_host import dp_release
 from fedbus.node.config import build_config
-from fedbus.node.dp import RDP_ORDERS, dp_levels, dp_refusal
-from fedbus.algorithms.dp_sgd import DPSGD, model_refusal, task_sampling
-from fedbus.node.msglog import read_log
+from fedbus.node.privacy.dp import RDP_ORDERS, dp_levels, dp_refusal
+from fedbus.algorithms.core.dp_sgd import DPSGD, model_refusal, task_sampling
+from fedbus.record.msglog import read_log
 from fedbus.node.server import build_engine
 from tests.helpers import SMALL, fedbus, merged, metrics, run_federation, write_config
 

@@ -11,7 +11,7 @@ from algo_support import update as make_update
 from helpers import SMALL, fedbus, merged, metrics, run_federation
 
 from fedbus.algorithms import get_algorithm
-from fedbus.algorithms.base import Failure, RoundInfo
+from fedbus.algorithms.core.handlers import Failure, RoundInfo
 from fedbus.algorithms.fedatt import attentive_step
 
 

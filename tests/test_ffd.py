@@ -1,4 +1,4 @@
-"""FFD's mathematics (fedbus.node.ffd): the biased RBF MMD of Gretton et al. against a
+"""FFD's mathematics (fedbus.analysis.ffd): the biased RBF MMD of Gretton et al. against a
 hand computation, the median heuristic, eq. 17, and the per-client metric the server
 adds to an evaluation record, on tiny arrays and networks, with no broker. The real
 federations (a `central` run as the reference, a FedAvg run recording FFD) are in
@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 
-from fedbus.node.ffd import ffd_gain, median_bandwidth, mmd_rbf
+from fedbus.analysis.ffd import ffd_gain, median_bandwidth, mmd_rbf
 
 
 def k(a, b, sigma):
@@ -68,10 +68,10 @@ def test_record_metrics_on_a_hand_made_reference(tmp_path):
     """A reference run directory written by hand (config.json + checkpoint.fbk, as the
     server writes them): its own weights give 0 on every client, other weights > 0,
     and ffd_round_mean averages over the record's participants only."""
-    from fedbus.algorithms.base import model_weights
+    from fedbus.algorithms.core.handlers import model_weights
     from fedbus.broker.wire import encode_body
     from fedbus.node.config import build_config
-    from fedbus.node.ffd import FeatureDiscrepancy
+    from fedbus.analysis.ffd import FeatureDiscrepancy
     from fedbus.node.setup import make_model
 
     data = {"dataset": "digits", "partition": "iid"}
@@ -104,7 +104,7 @@ def test_record_metrics_on_a_hand_made_reference(tmp_path):
 
 def test_config_errors_are_one_line(tmp_path):
     from fedbus.node.config import ConfigError, build_config
-    from fedbus.node.ffd import check_reference
+    from fedbus.analysis.ffd import check_reference
 
     def cfg(algorithm, ref):
         return build_config({"algorithm": {"name": algorithm},

@@ -1,7 +1,7 @@
 """LocalRun: the engine's side of local training (epochs, partial work, budgets, slow devices)."""
 import torch
 
-from fedbus.algorithms.base import ClientContext, LocalRun
+from fedbus.algorithms.core.handlers import ClientContext, LocalRun
 
 
 def _ctx(n=40, batch=8):

@@ -1,4 +1,4 @@
-"""Merge rules of FedPer, FedRep, FedAvg-proto and FD (fedbus.algorithms.merge): a server fed
+"""Merge rules of FedPer, FedRep, FedAvg-proto and FD (fedbus.algorithms.core.merge): a server fed
 a relay's merged updates (the rule's sum forms, lifted and added as a relay does) ends in
 the global state of a server fed the same clients' single updates; the options that make
 the server step no sum of fixed shape declare no rule; FedPer through real relays, and
@@ -8,12 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedbus.algorithms.base import Work
-from fedbus.algorithms.local import resolved_params
+from fedbus.algorithms.core.handlers import Work
+from fedbus.algorithms.core.params import resolved_params
 from fedbus.broker.wire import Message
 from fedbus.node.config import build_config
 from fedbus.node.engine import client_address
-from fedbus.node.secure_round import privacy_refusal
+from fedbus.node.privacy.secure_round import privacy_refusal
 from fedbus.node.server import build_engine, dispatch
 from tests.helpers import merged
 from tests.test_relay import (EQUIV, _arrays, _final_state, assert_relays_give_the_flat_run,
@@ -176,7 +176,7 @@ def test_fd_merged_gives_the_flat_global_vectors(params):
 
 def test_options_that_make_no_fixed_sum_declare_no_rule():
     from fedbus.algorithms import get_algorithm
-    from fedbus.algorithms.merge import DeltaAndPrototypeSums, DeltaSums, LogitSums
+    from fedbus.algorithms.core.merge import DeltaAndPrototypeSums, DeltaSums, LogitSums
 
     def rule(name, **params):
         cls = get_algorithm(name).server
@@ -203,7 +203,7 @@ def test_options_that_make_no_fixed_sum_declare_no_rule():
 
 
 def test_a_merged_payload_claiming_more_prototype_mass_than_its_members_is_refused():
-    from fedbus.algorithms.merge import DeltaAndPrototypeSums
+    from fedbus.algorithms.core.merge import DeltaAndPrototypeSums
 
     members = [["c0", 1, 10, DONE], ["c1", 2, 5, DONE]]
     payload = {"proto_sums": {"mass": np.array([15.0, 2.0])}}

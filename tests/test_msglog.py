@@ -11,7 +11,7 @@ import msgpack
 import pytest
 
 from fedbus.broker.wire import Message, decode, encode
-from fedbus.node.msglog import MAGIC, LogCorrupt, MessageLogWriter, read_log, scan
+from fedbus.record.msglog import MAGIC, LogCorrupt, MessageLogWriter, read_log, scan
 
 
 def _message(kind: str, src: str, dst: str, round_: int, seq: int, body: dict) -> Message:

@@ -231,7 +231,7 @@ def test_a_damaged_embeddings_file_is_skipped_not_fatal(real_run, tmp_path, caps
 # --- hand-written run directories and records ----------------------------------------
 
 def test_every_participation_status_is_drawn(tmp_path):
-    from fedbus.node.plots import STATUSES, load_run, participation_matrix
+    from fedbus.analysis.plots import STATUSES, load_run, participation_matrix
     run = fake_run(tmp_path / "statuses")  # late, dropped, dead, rejected, partial, folded
     grid, _ = participation_matrix(load_run(run).records, clients=8)
     assert set(np.unique(grid).tolist()) == {code for code, _, _ in STATUSES}
@@ -240,7 +240,7 @@ def test_every_participation_status_is_drawn(tmp_path):
 
 
 def test_participation_grid_statuses(tmp_path):
-    from fedbus.node.plots import participation_matrix
+    from fedbus.analysis.plots import participation_matrix
     recs = [{"round": 0, "participants": [0, 1, 2], "partial_clients": [1],
              "failures": {"3": "late", "4": "dead"}, "stale": []},
             {"round": 1, "participants": [0, 3, 6], "partial_clients": [],
@@ -318,7 +318,7 @@ def test_analysis_figures_with_several_runs(tmp_path, monkeypatch, capsys):
 
 
 def test_attention_matrix():
-    from fedbus.node.plots import attention_matrix
+    from fedbus.analysis.plots import attention_matrix
     recs = [{"round": 0, "agg_extra": {"attention": {"0": 0.25, "2": 0.75}}},
             {"round": 1, "agg": {}},  # an aggregation without attention: a grey column
             {"round": 2, "agg_extra": {"attention": {"1": 1.0}}}]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedbus.algorithms.base import ClientUpdate, Failure, RoundInfo, Work
+from fedbus.algorithms.core.handlers import ClientUpdate, Failure, RoundInfo, Work
 from fedbus.broker.wire import decode_body, encode_body
 from fedbus.node.client_host import ClientPool, node_threads, run_task
 from fedbus.node.config import ConfigError, build_config

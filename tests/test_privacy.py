@@ -1,7 +1,7 @@
 """Client-side protection of uploaded prototypes: clipping, noise, withheld counts."""
 import numpy as np
 
-from fedbus.node.privacy import protect
+from fedbus.node.privacy.prototypes import protect
 
 OFF = {"clip_norm": 0.0, "noise_sigma": 0.0, "withhold_counts": False}
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from fedbus.node.config import build_config
-from fedbus.node.dp import RDP_ORDERS
+from fedbus.node.privacy.dp import RDP_ORDERS
 from fedbus.node.engine import client_address
 from fedbus.node.server import build_engine, dispatch
 from tests.helpers import SMALL, fedbus, merged, metrics, run_federation, write_config
@@ -92,7 +92,7 @@ def _fedavg_engine(secure: bool, z: float, **federation):
 
 def _big_delta(engine, client):
     """A delta far longer than the clip (norm ~ 50): the client's clip_update bounds it."""
-    from fedbus.node.dp import clip_update
+    from fedbus.node.privacy.dp import clip_update
 
     rng = np.random.default_rng(client)
     spec = engine.handler.update_spec()["delta"]

@@ -1,4 +1,4 @@
-"""fedbus.algorithms.protos.fold_prototypes: the one fold of received per-class vectors
+"""fedbus.algorithms.core.protos.fold_prototypes: the one fold of received per-class vectors
 into the global ones (FedProto's eq. 6, FD's logits, FedAvg-proto's eq. 3), from single
 updates or from a merge rule's sums, under the algorithms' options."""
 from __future__ import annotations
@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from algo_support import update
 
-from fedbus.algorithms import robust as R
-from fedbus.algorithms.base import ClientUpdate, Work
-from fedbus.algorithms.merge import LogitSums, PrototypeSums
-from fedbus.algorithms.protos import aggregate_prototypes, fold_prototypes, merge_prototypes
+from fedbus.algorithms.core import robust as R
+from fedbus.algorithms.core.handlers import ClientUpdate, Work
+from fedbus.algorithms.core.merge import LogitSums, PrototypeSums
+from fedbus.algorithms.core.protos import aggregate_prototypes, fold_prototypes, merge_prototypes
 
 C, D = 3, 2
 # client 0 holds classes 0 (2 samples) and 2 (1); client 1 classes 0 (1) and 1 (3)
@@ -132,7 +132,7 @@ def test_robust_rule_per_class_then_merge():
 
 def test_server_training_params_keep_each_algorithms_defaults():
     from fedbus.algorithms import get_algorithm
-    from fedbus.algorithms.local import default_of
+    from fedbus.algorithms.core.params import default_of
 
     want = {"fedgh": (1, 1, 0.01), "fedtgp": (100, 0, 0.0), "fedgen": (100, 0, None)}
     for name, values in want.items():

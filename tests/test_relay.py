@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from fedbus.algorithms.base import Work
-from fedbus.algorithms.merge import DeltaSums, PrototypeSums
-from fedbus.algorithms.protos import aggregate_prototypes
+from fedbus.algorithms.core.handlers import Work
+from fedbus.algorithms.core.merge import DeltaSums, PrototypeSums
+from fedbus.algorithms.core.protos import aggregate_prototypes
 from fedbus.broker.wire import Message, decode_body
 from fedbus.node.config import build_config
 from fedbus.node.engine import client_address

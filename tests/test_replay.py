@@ -19,7 +19,7 @@ from helpers import (SMALL, Processes, fedbus, free_port, merged, metrics, run_f
                      wait_until, write_config)
 
 from fedbus.broker.wire import decode
-from fedbus.node.msglog import read_log
+from fedbus.record.msglog import read_log
 
 IDENTICAL = re.compile(r"replay identical: (\d+) messages, (\d+) rounds")
 

@@ -1,4 +1,4 @@
-"""Robust aggregation (fedbus.algorithms.robust, issue 30 item 2): each rule on hand-made
+"""Robust aggregation (fedbus.algorithms.core.robust, issue 30 item 2): each rule on hand-made
 vectors against a hand computation; an attacker below the breakdown point moves the median,
 the trimmed mean and Krum no further than each rule's stated bound while the plain mean
 goes wherever the attacker wants; the default "none" is today's aggregation bit for bit;
@@ -14,11 +14,11 @@ import torch
 from algo_support import client_ctx, digits_parts, iid_digits_parts, server_ctx, update
 
 from fedbus.algorithms import get_algorithm
-from fedbus.algorithms import robust as R
-from fedbus.algorithms.base import ClientUpdate, LocalRun, RoundInfo, Work
-from fedbus.algorithms.local import resolved_params
-from fedbus.algorithms.protos import aggregate_prototypes, merge_prototypes
-from fedbus.algorithms.weights import average_deltas, fedavg_coefs
+from fedbus.algorithms.core import robust as R
+from fedbus.algorithms.core.handlers import ClientUpdate, LocalRun, RoundInfo, Work
+from fedbus.algorithms.core.params import resolved_params
+from fedbus.algorithms.core.protos import aggregate_prototypes, merge_prototypes
+from fedbus.algorithms.core.weights import average_deltas, fedavg_coefs
 from fedbus.node.config import ConfigError, build_config
 
 torch.set_num_threads(1)

@@ -1,11 +1,11 @@
-"""Secure aggregation core (fedbus.node.secagg): real X25519/AES-GCM/ChaCha20/Shamir,
+"""Secure aggregation core (fedbus.node.privacy.secagg): real X25519/AES-GCM/ChaCha20/Shamir,
 full rounds simulated in-process, dropouts, refusals and garbage on the server side."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from fedbus.node.secagg import (
+from fedbus.node.privacy.secagg import (
     ClientSession,
     RingParams,
     SecAggError,

@@ -4,7 +4,7 @@ after masking, through relays and in replay; a round that loses too many clients
 cleanly and the next goes on; the message log never holds a client's prototypes.
 
 The engine tests script every message with the real client side (SecureClient, the real
-X25519/AES-GCM/Shamir of fedbus.node.secagg) and no sockets; the process tests run real
+X25519/AES-GCM/Shamir of fedbus.node.privacy.secagg) and no sockets; the process tests run real
 brokers, relays, nodes and servers on loopback."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from fedbus.broker.wire import Message
 from fedbus.node.config import build_config
 from fedbus.node.engine import client_address
-from fedbus.node.secure_round import SecureClient, privacy_refusal
+from fedbus.node.privacy.secure_round import SecureClient, privacy_refusal
 from fedbus.node.server import build_engine, dispatch
 
 WORK = {"epochs_asked": 1, "epochs_done": 1.0, "steps": 1, "samples": 1}
@@ -64,7 +64,7 @@ class Clients:
 
     def __init__(self, engine, cfg):
         from fedbus.algorithms import get_algorithm
-        from fedbus.algorithms.local import resolved_params
+        from fedbus.algorithms.core.params import resolved_params
 
         server_cls = get_algorithm(cfg.algorithm.name).server
         params = resolved_params(server_cls, dict(cfg.algorithm))
@@ -199,7 +199,7 @@ def test_a_masked_input_is_uncorrelated_with_the_prototypes_and_the_sum_matches(
     cfg = _config("fedproto", True)
     engine, tasks = _engine(cfg)
     _, cl = secure_round(engine, cfg, tasks)
-    from fedbus.node.secagg import RingParams, decode, unpack
+    from fedbus.node.privacy.secagg import RingParams, decode, unpack
 
     ring = RingParams.from_dict(tasks[0].body["secagg"]["ring"])
     masked = {m.src: m.body["payload"]["masked"] for m in cl.sent if m.kind == "update"}
@@ -298,7 +298,7 @@ def test_two_relays_with_secure_aggregation_give_the_flat_plain_global_state(tmp
 
 def test_a_client_gone_after_its_masked_input_is_recovered_and_replay_is_identical(tmp_path):
     from fedbus.broker.wire import decode
-    from fedbus.node.msglog import read_log
+    from fedbus.record.msglog import read_log
     from tests.helpers import SMALL, fedbus, merged, metrics, run_federation
 
     sections = merged(SMALL, algorithm={"name": "fedproto"},

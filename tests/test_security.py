@@ -524,11 +524,11 @@ def _replay_without(run_dir, src: str):
     """The server's engine after the run's logged inputs, minus those from src: but its first
     config acknowledgement (which made its client live and so shaped the sampling) and, for an
     update that answered its live task, the ending of that task (a rejected answer ends it)."""
-    from fedbus.node.msglog import read_log
-    from fedbus.node.replay import load_run
+    from fedbus.record.msglog import read_log
+    from fedbus.analysis.replay import load_run
     from fedbus.node.server import build_engine, dispatch
 
-    from fedbus.node.replay import take_refused
+    from fedbus.analysis.replay import take_refused
 
     cfg, run_id = load_run(run_dir)
     engine = build_engine(cfg, run_id)
@@ -619,7 +619,7 @@ def test_fuzz_from_an_authenticated_client(tmp_path, keys):
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["rounds_completed"] == 3
-    from fedbus.node.msglog import read_log
+    from fedbus.record.msglog import read_log
 
     # refusals are logged as small records (one per task they ended, else counts), never
     # the refused bytes: nothing of c3's updates is in the log

@@ -1,6 +1,6 @@
 """Semantic segmentation end to end: the shapes-seg generator and the VOC 2012 loader
 (fedbus.node.data.segmentation), the dense partition labels, the small DeepLab-V3+
-(fedbus.models.segnet), dense prototypes (fedbus.algorithms.protos: labels downsampled by
+(fedbus.models.segnet), dense prototypes (fedbus.algorithms.core.protos: labels downsampled by
 nearest neighbour, as Michieli & Ozay's S3.2), pixel accuracy and mIoU (head_metrics), the
 dense count bound of update validation, and real federations (broker, server, two nodes)
 of FedAvg, which must learn, and proto-attention, plus the mask plot."""
@@ -15,15 +15,9 @@ from helpers import merged, run_federation
 from scipy import ndimage
 
 from fedbus.algorithms import get_algorithm
-from fedbus.algorithms.base import (
-    ClientContext,
-    LocalRun,
-    ServerContext,
-    confusion_matrix,
-    dense_scores,
-    head_metrics,
-)
-from fedbus.algorithms.protos import (
+from fedbus.algorithms.core.handlers import ClientContext, LocalRun, ServerContext
+from fedbus.algorithms.core.metrics import confusion_matrix, dense_scores, head_metrics
+from fedbus.algorithms.core.protos import (
     class_counts,
     class_means,
     class_sums,
@@ -34,7 +28,7 @@ from fedbus.algorithms.protos import (
     pixel_samples,
     prototype_metrics,
 )
-from fedbus.algorithms.split import body_names, head_names
+from fedbus.algorithms.core.split import body_names, head_names
 from fedbus.broker.wire import decode_body, encode_body
 from fedbus.models import build_client_model, build_model, feature_dim_for
 from fedbus.node.data import DatasetUnavailable, FederatedData, load_dataset
@@ -387,7 +381,7 @@ def seg_clients(name, params=None, clients=2, archs=("deeplab",)):
 
 @pytest.mark.parametrize("name", ["fedproto", "proto-attention", "fedavg-proto", "fedtgp"])
 def test_prototype_methods_train_and_validate_on_masks(name):
-    from fedbus.algorithms.base import RoundInfo
+    from fedbus.algorithms.core.handlers import RoundInfo
 
     archs = ("deeplab:resnet8", "deeplab:mobilenetv2") if name in ("fedproto", "fedtgp") \
         else ("deeplab",)
@@ -414,7 +408,7 @@ def test_prototype_methods_train_and_validate_on_masks(name):
                                  max_samples=len(h.ctx.train_y))
             check_update(body, server.update_spec(), num_classes=6,
                          max_samples=len(h.ctx.train_y), label_pixels=fd.label_pixels)
-            from fedbus.algorithms.base import ClientUpdate, Work
+            from fedbus.algorithms.core.handlers import ClientUpdate, Work
             server.aggregate([ClientUpdate(i, payload, len(h.ctx.train_y),
                                            Work.from_dict(run.work.to_dict()), r)], [], info)
     out = handlers[0].evaluate(server.make_eval(0, RoundInfo(1, 2)))
@@ -429,7 +423,7 @@ def test_prototype_methods_train_and_validate_on_masks(name):
 
 
 def test_masks_hook_scores_the_global_model_and_keeps_the_local_one():
-    from fedbus.algorithms.base import RoundInfo
+    from fedbus.algorithms.core.handlers import RoundInfo
 
     _, server, handlers = seg_clients("fedavg")
     h = handlers[0]
@@ -496,7 +490,7 @@ def test_fedavg_learns_segmentation_in_a_real_federation(tmp_path):
     assert final["acc_mean"] > 0.85  # pixel accuracy, background is ~80 %
     assert summary["best"]["miou_mean"] >= final["miou_mean"]
     # the mask plot's data: images, truth and prediction of the final global model
-    from fedbus.node import plots
+    from fedbus.analysis import plots
     body = plots.load_embeddings(run / "masks.fbk")
     rows, notes = plots.mask_rows(body)
     assert len(rows) == 6 and not notes  # 3 clients x 2 images

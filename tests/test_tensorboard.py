@@ -8,7 +8,7 @@ import textwrap
 import pytest
 from helpers import REPO, SMALL, merged, metrics, run_federation, write_config
 
-from fedbus.node.tensorboard import scalars
+from fedbus.record.tensorboard import scalars
 
 
 def _run_py(code: str, *args: str) -> subprocess.CompletedProcess:

@@ -367,7 +367,7 @@ def test_hostile_client_in_a_real_federation(tmp_path, spawn_py):
 def _check_protected_uploads(run_dir, honest: set[int], sigma: float) -> None:
     """The honest updates the server logged are clipped to norm 1, noised, and carry 0/1
     presence flags instead of counts (privacy.clip_norm/noise_sigma/withhold_counts)."""
-    from fedbus.node.msglog import read_log
+    from fedbus.record.msglog import read_log
 
     seen = 0
     for rec in read_log(run_dir):

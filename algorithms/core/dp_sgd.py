@@ -3,7 +3,7 @@
 What is protected: one training sample of one client (add-or-remove), in everything the
 client's training produces: the weights it ends with, so the weight delta it uploads and
 all the server makes of it (aggregation is post-processing). For algorithms whose upload
-is a weight delta trained by `LocalClient.run_local` (fedavg, fedprox: fedbus.node.dp's
+is a weight delta trained by `LocalClient.run_local` (fedavg, fedprox: fedbus.node.privacy.dp's
 dp_levels admits "sgd" wherever "client" is declared).
 
 The mechanism, per local step (Abadi et al., "Deep Learning with Differential Privacy",
@@ -23,7 +23,7 @@ CCS 2016), all of it Opacus's:
   the [train] momentum and weight decay: post-processing) then steps.
 The upload is the ordinary delta; the server aggregates it as usual (sample-weighted).
 
-Accounting (the server's, fedbus.node.budget; `task_sampling`): each task a client is sent
+Accounting (the server's, fedbus.node.privacy.budget; `task_sampling`): each task a client is sent
 is epochs x ceil(n / batch_size) steps of PoissonSampled(q, Gaussian(z)), charged in full
 when the task goes out (partial work or a drop-out pays the same), composed per client over
 its tasks; the run's epsilon is the largest client's; target_epsilon stops sampling a
@@ -48,7 +48,8 @@ Seeds: the batches and the noise come from the task seed (mixed with a tag), so 
 task is reproducible (`fedbus replay --client`). The task seed is chosen by the server
 and derived from federation.seed, which every node's config holds: whoever knows it can
 recompute the noise of every step and the batches, which voids the guarantee against
-them. privacy.dp_noise = "secret" (the default) draws both from the operating system's entropy instead
+them. privacy.dp_noise = "secret" (the default) draws both from the operating system's
+entropy instead
 (a secret of the client's; its training is then not reproducible).
 """
 from __future__ import annotations

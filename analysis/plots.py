@@ -10,7 +10,7 @@
     tsne*.png            t-SNE of final test embeddings with the global prototypes
     masks*.png           segmentation: test images | ground truth | predicted mask
 
-Everything reads the files a run leaves (see fedbus.node.rundir); a file that
+Everything reads the files a run leaves (see fedbus.record.rundir); a file that
 is missing (a crashed run) only skips the figures that need it. matplotlib is
 imported lazily, and only through its object API on the Agg canvas (no pyplot,
 no global backend switch), so plotting from a library or a test is safe.
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from fedbus.node.rundir import read_metrics
+from fedbus.record.rundir import read_metrics
 
 RUN_FILES = ("config.json", "metrics.jsonl", "summary.json")
 DPI = 110
@@ -732,7 +732,7 @@ def plot_ffd(runs: list[RunData], path: Path, report: Report) -> None:
     (several runs), or the per-client MMD of the last evaluation (one run)."""
     from matplotlib.ticker import MaxNLocator
 
-    from fedbus.node.ffd import ffd_gain
+    from fedbus.analysis.ffd import ffd_gain
     have = [r for r in runs if _ffd_points(r)]
     if not have:
         return

@@ -27,6 +27,8 @@ from typing import Any, Callable, ClassVar, Iterator, Mapping
 import numpy as np
 import torch
 
+from fedbus.algorithms.core.metrics import head_metrics
+
 
 @dataclass
 class Work:
@@ -75,7 +77,7 @@ class ClientUpdate:
     version: int  # the global version (round) the client's task was made from
     staleness: int = 0  # aggregations that happened since that version
     weight: float = 1.0  # engine's staleness weight, 1/sqrt(1+staleness)
-    # A relay's pre-aggregated update (fedbus.algorithms.merge): the clients it stands
+    # A relay's pre-aggregated update (fedbus.algorithms.core.merge): the clients it stands
     # for, each with an empty payload; its own payload is the handler's sum form and its
     # client is the first member's. Empty for a client's own update.
     members: tuple["ClientUpdate", ...] = ()
@@ -137,16 +139,16 @@ class ServerHandler:
     # Sharing the head alone (LG-FedAvg, FedGH) needs one head shape across a model group.
     needs_same_head: ClassVar[bool] = False
     # The [privacy] dp mechanisms this algorithm's uploads admit: record = its upload is
-    # prototypes and counts only (fedbus.node.dp.dp_prototypes replaces them), client = its
+    # prototypes and counts only (fedbus.node.privacy.dp.dp_prototypes replaces them), client = its
     # upload is a weight delta summed by DeltaSums. Read from the class itself, not
-    # inherited (fedbus.node.dp.dp_levels): a subclass whose upload differs admits nothing.
+    # inherited (fedbus.node.privacy.dp.dp_levels): a subclass whose upload differs admits nothing.
     DP_LEVELS: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, ctx: ServerContext):
         self.ctx = ctx
         self.params = ctx.params
 
-    # How this class's updates pre-aggregate at a relay (fedbus.algorithms.merge.MergeRule),
+    # How this class's updates pre-aggregate at a relay (fedbus.algorithms.core.merge.MergeRule),
     # or None: a relay then forwards every update as it is. Declared by the class whose
     # aggregate() handles merged updates; merge_rule() does not let subclasses inherit it.
     MERGE: ClassVar[Any] = None
@@ -164,7 +166,7 @@ class ServerHandler:
     @classmethod
     def merges(cls, params: Mapping[str, Any]) -> bool:
         """Whether a run with these params aggregates by the class's MERGE sums (a robust
-        rule, fedbus.algorithms.robust, does not)."""
+        rule, fedbus.algorithms.core.robust, does not)."""
         return True
 
     def make_task(self, client: int, info: RoundInfo) -> dict[str, Any]:
@@ -186,7 +188,7 @@ class ServerHandler:
         """The weights of the one global model this algorithm keeps ({name: array}, the
         model's state dict as ctx.make_model builds it), or None if it keeps none
         (prototype-only methods, local). Read by analysis metrics such as FFD
-        (fedbus.node.ffd); never written through."""
+        (fedbus.analysis.ffd); never written through."""
         return None
 
     def count_epochs(self) -> int:
@@ -323,12 +325,12 @@ class ClientHandler:
         """Up to n test embeddings and their labels (for the t-SNE plot). Dense
         (segmentation) features: up to n feature pixels with a valid label, evenly
         spaced over those of the first test images (labels downsampled as for
-        prototypes: fedbus.algorithms.protos.pixel_samples)."""
+        prototypes: fedbus.algorithms.core.protos.pixel_samples)."""
         x, y = self.ctx.test_x[:n], self.ctx.test_y[:n]
         self.ctx.model.eval()
         h = self.ctx.model.features(x) if len(x) else torch.zeros(0, self.ctx.feature_dim)
         if h.dim() == 4:
-            from fedbus.algorithms.protos import pixel_samples
+            from fedbus.algorithms.core.protos import pixel_samples
 
             h, y = pixel_samples(h, y, self.ctx.num_classes)
             if len(y) > n:
@@ -426,100 +428,3 @@ def weight_delta(model: torch.nn.Module, base: Mapping[str, Any]) -> dict[str, n
         # rejects a declared array that arrives as an int
         out[k] = np.asarray(cur - np.asarray(base[k], dtype=cur.dtype), dtype=cur.dtype)
     return out
-
-
-def confusion_matrix(pred: torch.Tensor, labels: torch.Tensor,
-                     num_classes: int) -> torch.Tensor:
-    """[C, C] int64 counts, rows = truth, columns = prediction, over the labels in
-    0..C-1 (ignored pixels, < 0 or >= C, count nowhere). Any shapes, pred like labels."""
-    y = labels.reshape(-1)
-    p = pred.reshape(-1).to(y.device)
-    ok = (y >= 0) & (y < num_classes)
-    idx = y[ok] * num_classes + p[ok].clamp(0, num_classes - 1)
-    return torch.bincount(idx, minlength=num_classes * num_classes).reshape(
-        num_classes, num_classes)
-
-
-def dense_scores(conf: torch.Tensor | np.ndarray) -> tuple[float, float]:
-    """(pixel accuracy, mean IoU) of a confusion matrix. IoU_c = TP_c / (TP_c + FP_c +
-    FN_c), averaged over the classes present in the ground truth or the prediction
-    (TP + FP + FN > 0): the usual per-split mIoU (Pascal VOC's, background included);
-    (nan, nan) without a valid pixel."""
-    c = np.asarray(conf.cpu() if isinstance(conf, torch.Tensor) else conf, dtype=np.float64)
-    total = c.sum()
-    if total <= 0:
-        return float("nan"), float("nan")
-    tp = np.diag(c)
-    union = c.sum(0) + c.sum(1) - tp
-    present = union > 0
-    return float(tp.sum() / total), float((tp[present] / union[present]).mean())
-
-
-class HeadScores:
-    """head_metrics' classification figures accumulated batch by batch on the logits'
-    device: the cross-entropy sum (float64, each batch's float32 sum added in order, as
-    a Python float sum of their .item() would) and the count of correct argmaxes. Only
-    `result` reads them back, so a GPU is not synchronised once per batch."""
-
-    def __init__(self) -> None:
-        self.loss: torch.Tensor | None = None
-        self.correct: torch.Tensor | None = None
-        self.count = 0
-
-    def add(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        """Score one batch: logits [B, C], labels [B]."""
-        loss = torch.nn.functional.cross_entropy(logits, labels, reduction="sum").double()
-        correct = (logits.argmax(1) == labels).sum()
-        self.loss = loss if self.loss is None else self.loss + loss
-        self.correct = correct if self.correct is None else self.correct + correct
-        self.count += len(labels)
-
-    def result(self) -> dict[str, float]:
-        """{"acc", "loss" (mean cross-entropy), "num_test"}; nan without samples."""
-        if self.count == 0:
-            return {"acc": float("nan"), "loss": float("nan"), "num_test": 0}
-        return {"acc": int(self.correct.item()) / self.count,
-                "loss": float(self.loss.item()) / self.count, "num_test": self.count}
-
-
-@torch.inference_mode()
-def head_metrics(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
-                 batch: int = 512) -> dict[str, float]:
-    """The classifier head on (x, y): {"acc", "loss", "num_test"}. For segmentation
-    masks y [N, H, W] (logits [N, C, H, W]): "acc" = pixel accuracy, "loss" = mean
-    per-pixel cross-entropy, "miou" = mean IoU (dense_scores), all over the pixels with
-    a valid label (ignored ones, -100, count nowhere); "num_test" = images. The model
-    is left in train mode."""
-    if y.dim() == 3:
-        return _dense_head_metrics(model, x, y, min(batch, 64))
-    scores = HeadScores()
-    if len(y) == 0:
-        return scores.result()
-    model.eval()
-    for i in range(0, len(y), batch):
-        scores.add(model(x[i:i + batch]), y[i:i + batch])
-    model.train()
-    return scores.result()
-
-
-def _dense_head_metrics(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
-                        batch: int) -> dict[str, float]:
-    if len(y) == 0:
-        return {"acc": float("nan"), "miou": float("nan"), "loss": float("nan"),
-                "num_test": 0}
-    model.eval()
-    conf, loss, pixels = None, 0.0, 0
-    for i in range(0, len(y), batch):
-        logits = model(x[i:i + batch])
-        yb = y[i:i + batch]
-        num_classes = logits.shape[1]
-        # ignore_index -100: the client's ignored pixels (and any label out of range)
-        yb = torch.where((yb >= 0) & (yb < num_classes), yb, -100)
-        loss += torch.nn.functional.cross_entropy(logits, yb, reduction="sum").item()
-        pixels += (yb >= 0).sum().item()
-        c = confusion_matrix(logits.argmax(1), yb, num_classes)
-        conf = c if conf is None else conf + c
-    model.train()
-    acc, miou = dense_scores(conf)
-    return {"acc": acc, "miou": miou, "loss": loss / pixels if pixels else float("nan"),
-            "num_test": len(y)}

@@ -55,7 +55,7 @@ What changes against the families' means, for every robust rule:
   staleness weights are dropped; class counts still decide which clients hold a class;
 - a relay's pre-aggregated sums cannot be taken apart, so a handler under a robust rule
   declares no merge rule (`Robust.merges`): relays forward every update and the server
-  refuses merged ones (fedbus.algorithms.merge);
+  refuses merged ones (fedbus.algorithms.core.merge);
 - under secure aggregation (masking) the server sees only the sum of the updates, so no
   robust rule can run: the client-side clip and the server's bound on the sum are what
   remain.
@@ -341,11 +341,11 @@ class RobustRule:
 # --- the handler option -------------------------------------------------------------------
 
 def _params() -> dict[str, Any]:
-    from fedbus.algorithms.local import opt  # local imports merge and base; no cycle here
+    from fedbus.algorithms.core.params import opt  # local imports merge and base; no cycle here
 
     return {
         "robust": opt("none", "robust aggregation against in-range poison "
-                      "(fedbus.algorithms.robust): none = the paper's weighted mean; median = "
+                      "(fedbus.algorithms.core.robust): none = the paper's weighted mean; median = "
                       "coordinate-wise median (f < n/2); trimmed_mean = drop floor(robust_trim "
                       "n) from each end per coordinate; krum = Krum / multi-Krum (n >= "
                       "2 robust_f + 3, else the median). Each update counts once; relays "

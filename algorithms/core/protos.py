@@ -18,7 +18,7 @@ Nearest-prototype inference on a map labels every feature pixel with its nearest
 prototype's class; `prototype_metrics` scores that map at label resolution, upsampled
 by nearest neighbour (each feature pixel's class covers its H/h x W/w block), against
 the full-resolution masks: the same pixels and ground truth as the head's pixel accuracy
-and mIoU (fedbus.algorithms.base.head_metrics), so "proto_acc"/"proto_miou" and
+and mIoU (fedbus.algorithms.core.metrics.head_metrics), so "proto_acc"/"proto_miou" and
 "acc"/"miou" compare like with like.
 """
 from __future__ import annotations
@@ -29,15 +29,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedbus.algorithms.base import (
-    ClientUpdate,
-    HeadScores,
-    confusion_matrix,
-    dense_scores,
-    head_metrics,
-)
-from fedbus.algorithms.merge import PrototypeSums, weighted_sum
-from fedbus.algorithms.robust import Outcome, RobustRule, no_merged
+from fedbus.algorithms.core.handlers import ClientUpdate
+from fedbus.algorithms.core.metrics import HeadScores, confusion_matrix, dense_scores, head_metrics
+from fedbus.algorithms.core.merge import PrototypeSums, weighted_sum
+from fedbus.algorithms.core.robust import Outcome, RobustRule, no_merged
 
 
 def is_dense(labels: torch.Tensor) -> bool:

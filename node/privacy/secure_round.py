@@ -1,9 +1,9 @@
 """Secure aggregation inside the engine's sync rounds (`privacy.secure_aggregation`).
 
-fedbus.node.secagg holds the cryptography (SecAgg+: keys, shares, masks, unmasking); this
+fedbus.node.privacy.secagg holds the cryptography (SecAgg+: keys, shares, masks, unmasking); this
 module holds what the engine needs around it for one round, and the one sum form a client
 masks. The server learns only the sum, over the round's surviving clients, of the sum form
-its algorithm declares (fedbus.algorithms.merge: prototype sums and class masses for
+its algorithm declares (fedbus.algorithms.core.merge: prototype sums and class masses for
 FedProto, logit sums for FD, sample-weighted weight deltas and the sample total for
 FedAvg/FedProx and FedPer/FedRep's shared part, both for fedavg-proto with every_round),
 the sum a relay pre-adds in the clear when secure aggregation is off.
@@ -105,8 +105,8 @@ def secagg_refusal(cfg: Any) -> str | None:
     """One line on why this run cannot use secure aggregation, or None (also when it is
     off). Checked at preflight and when the server starts."""
     from fedbus.algorithms import get_algorithm
-    from fedbus.algorithms.local import resolved_params
-    from fedbus.algorithms.merge import DeltaSumsAndPool
+    from fedbus.algorithms.core.params import resolved_params
+    from fedbus.algorithms.core.merge import DeltaSumsAndPool
 
     if not cfg.privacy.secure_aggregation:
         return None
@@ -152,7 +152,7 @@ class SecureRound:
 
     def __init__(self, *, run_id: str, round_: int, sampled: list[int], privacy: Mapping,
                  length: int, seed: int, now: float):
-        from fedbus.node import secagg
+        from fedbus.node.privacy import secagg
 
         self.context = f"fedbus-secagg/{run_id}/{round_}"
         self.ring = secagg.RingParams.for_cohort(float(privacy["secagg_range"]),
@@ -205,7 +205,7 @@ class SecureClient:
         self.sessions: dict[str, dict[str, Any]] = {}
 
     def begin(self, address: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        from fedbus.node import secagg
+        from fedbus.node.privacy import secagg
 
         field = body["secagg"]
         session = secagg.ClientSession(int(address[1:]), str(field["context"]).encode())
@@ -227,7 +227,7 @@ class SecureClient:
 
     def on_peers(self, address: str, body: Mapping[str, Any]) -> dict[str, Any]:
         """The server's peers -> the shares step."""
-        from fedbus.node import secagg
+        from fedbus.node.privacy import secagg
 
         state = self._state(address, body)
         peers = {int(a[1:]): (bytes(pk[0]), bytes(pk[1])) for a, pk in body["peers"].items()}
@@ -260,7 +260,7 @@ class SecureClient:
         return state
 
     def _masked(self, state: dict[str, Any]) -> dict[str, Any]:
-        from fedbus.algorithms.base import Work
+        from fedbus.algorithms.core.handlers import Work
 
         update = state.pop("update")
         state["update"] = None
@@ -292,7 +292,7 @@ class MaskedSums:
         return {"masked": packed}
 
     def add(self, into: dict[str, Any] | None, part: Mapping[str, Any]) -> dict[str, Any]:
-        from fedbus.node.secagg import add_packed
+        from fedbus.node.privacy.secagg import add_packed
 
         if into is not None and into["masked"].shape != part["masked"].shape:
             raise ValueError(f"masked inputs differ in shape: {into['masked'].shape} "
@@ -308,7 +308,7 @@ class MaskedSums:
 def privacy_refusal(cfg: Any) -> str | None:
     """One line on why the run's [privacy] options cannot be used, or None: secure
     aggregation's conditions (secagg_refusal), its ring (range x cohort x 2^frac_bits must
-    fit 64 bits), and the DP mechanism's (fedbus.node.dp.dp_refusal)."""
+    fit 64 bits), and the DP mechanism's (fedbus.node.privacy.dp.dp_refusal)."""
     privacy = cfg.privacy
     for wanted, modules in ((privacy.secure_aggregation, ("cryptography", "Crypto")),
                             (privacy.dp != "off", ("dp_accounting",))):
@@ -322,7 +322,7 @@ def privacy_refusal(cfg: Any) -> str | None:
     if reason is not None:
         return reason
     if privacy.secure_aggregation:
-        from fedbus.node.secagg import RingParams, SecAggError
+        from fedbus.node.privacy.secagg import RingParams, SecAggError
 
         try:
             RingParams.for_cohort(float(privacy.secagg_range), int(privacy.secagg_frac_bits),
@@ -332,7 +332,7 @@ def privacy_refusal(cfg: Any) -> str | None:
                     f"{privacy.secagg_frac_bits}: {err}")
     if privacy.dp != "off":
         from fedbus.algorithms import get_algorithm
-        from fedbus.node.dp import dp_refusal
+        from fedbus.node.privacy.dp import dp_refusal
 
         reason = dp_refusal(get_algorithm(cfg.algorithm.name).server, privacy.dp)
         if reason is None and cfg.federation.mode != "sync":

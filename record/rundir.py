@@ -8,7 +8,7 @@
     checkpoint.fbk    the server's state after the last aggregation (--resume)
     embeddings.fbk    final test embeddings + global prototypes (plots)
     masks.fbk         segmentation: a few final test images, truth and predicted masks
-    messages.bin/.jsonl  the message log (see fedbus.node.msglog)
+    messages.bin/.jsonl  the message log (see fedbus.record.msglog)
     logs/             JSON-lines logs of every process
     tensorboard/      the metrics as TensorBoard scalars (log.tensorboard = true)
 """
@@ -56,8 +56,8 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         (self.path / "logs").mkdir(exist_ok=True)
         self._tb = None
-        if tensorboard:  # imported only when on; ConfigError if TensorBoard is not installed
-            from fedbus.node.tensorboard import TensorBoardWriter
+        if tensorboard:  # imported only when on; MissingExtra if TensorBoard is not installed
+            from fedbus.record.tensorboard import TensorBoardWriter
 
             self._tb = TensorBoardWriter(self.path)
         self.records: list[dict[str, Any]] = read_metrics(self.path) if resume else []

@@ -13,7 +13,7 @@ update's sum form by that one weight and adds it to the lifted single updates. W
 every weight alike the result equals the flat federation's up to float64 rounding.
 
 A run's options may choose an aggregation that is no sum: under `algorithm.robust`
-(fedbus.algorithms.robust: a median, a trimmed mean or Krum needs every update apart)
+(fedbus.algorithms.core.robust: a median, a trimmed mean or Krum needs every update apart)
 `merge_rule(params)` is None for the run, so relays forward updates as they are and the
 server refuses merged ones; the class's MERGE still says how its default aggregation merges.
 
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from fedbus.algorithms.base import ClientUpdate, Work
+from fedbus.algorithms.core.handlers import ClientUpdate, Work
 
 
 class MergeRule:

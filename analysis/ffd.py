@@ -139,7 +139,7 @@ def check_reference(cfg: Config) -> tuple[Config, dict[str, np.ndarray], list[st
     algorithm with one global model, a reference run with one of the same architecture
     on the same data set. Returns (reference config, its weights, warnings)."""
     from fedbus.algorithms import get_algorithm
-    from fedbus.algorithms.base import ServerHandler
+    from fedbus.algorithms.core.handlers import ServerHandler
     from fedbus.models import arch_for_client, feature_dim_for
 
     name = cfg.algorithm.name
@@ -169,7 +169,7 @@ class FeatureDiscrepancy:
     """The FFD of one run against its log.ffd_reference, as Engine.eval_metrics wants it."""
 
     def __init__(self, cfg: Config):
-        from fedbus.algorithms.base import load_weights
+        from fedbus.algorithms.core.handlers import load_weights
         from fedbus.node.setup import federated_data, make_model
 
         self.cfg = cfg
@@ -197,7 +197,7 @@ class FeatureDiscrepancy:
     def per_client(self, weights: Mapping[str, Any]) -> dict[int, float]:
         """{client: MMD(P_k, Q_k)} with `weights` loaded into the run's model (clients
         with no samples in the split are left out)."""
-        from fedbus.algorithms.base import load_weights
+        from fedbus.algorithms.core.handlers import load_weights
 
         load_weights(self.model, weights)
         out = {}

@@ -1,6 +1,6 @@
 """The server's privacy ledger: what a run with `privacy.dp` has spent, round by round.
 
-The mechanisms and the accountant are fedbus.node.dp's; this is the engine's bookkeeping
+The mechanisms and the accountant are fedbus.node.privacy.dp's; this is the engine's bookkeeping
 around them, deterministic in the run's events (a replay recomputes it, a resumed run
 reloads it):
 
@@ -20,13 +20,13 @@ reloads it):
   with q = sampled / live clients (the accountant's Poisson subsampling: fedbus draws a
   fixed-size cohort uniformly without replacement, the usual approximation of DP-FedAvg's
   analysis). `target_epsilon`: the run stops before a round that would pass it.
-* sgd (weight-sharing algorithms, DP-SGD in local training, fedbus.algorithms.dp_sgd): each task
-  a client is sent is epochs x ceil(n / batch_size) DP-SGD steps, each a Gaussian
-  mechanism of multiplier z Poisson-subsampled with q = min(batch_size, n) / n
-  (fedbus.algorithms.dp_sgd.task_sampling; n the client's training-set size, which the server
-  knows from its partition, `sizes`). Charged per client like record level, in full when
-  the task is sent (a client that does part of its epochs, or drops out, pays all of
-  them), and composed over its tasks; the run's epsilon is the largest client's and
+* sgd (weight-sharing algorithms, DP-SGD in local training,
+  fedbus.algorithms.core.dp_sgd): each task a client is sent is epochs x ceil(n /
+  batch_size) DP-SGD steps, each a Gaussian mechanism of multiplier z Poisson-subsampled
+  with q = min(batch_size, n) / n (fedbus.algorithms.core.dp_sgd.task_sampling; n the
+  client's training-set size, which the server knows from its partition, `sizes`).
+  Charged per client like record level, in full when the task is sent (a client that
+  does part of its epochs, or drops out, pays all of them), and composed over its tasks; the run's epsilon is the largest client's and
   `target_epsilon` stops sampling a client as at record level.
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ class PrivacyLedger:
                  sizes: Mapping[int, int] | None = None):
         """`train` (the [train] section) and `sizes` (client -> training-set size, the
         engine's train_sizes, read when a client is charged) are needed by sgd only."""
-        from fedbus.node.dp import Accountant, record_noise_multiplier
+        from fedbus.node.privacy.dp import Accountant, record_noise_multiplier
 
         self.mechanism = str(privacy["dp"])
         self.kind, self.delta = str(privacy["dp_accountant"]), float(privacy["delta"])
@@ -56,7 +56,7 @@ class PrivacyLedger:
         self._eps_by_count: dict[int, float] = {0: 0.0}
         self.spent: set[int] = set()  # clients out of budget (logged once each)
         self._accountant = Accountant
-        # sgd: each task's (q, steps) depends on the client's n (fedbus.algorithms.dp_sgd)
+        # sgd: each task's (q, steps) depends on the client's n (fedbus.algorithms.core.dp_sgd)
         self.train = train
         self.sizes = sizes if sizes is not None else {}
         self._eps_sgd: dict[tuple[int, int], float] = {}  # (n, tasks) -> epsilon
@@ -85,7 +85,7 @@ class PrivacyLedger:
         """Epsilon of a client with n training samples after `count` DP-SGD tasks: count x
         epochs x ceil(n / batch_size) steps of PoissonSampled(min(batch_size, n) / n,
         Gaussian(z)) (memoised on (n, count))."""
-        from fedbus.algorithms.dp_sgd import task_sampling
+        from fedbus.algorithms.core.dp_sgd import task_sampling
 
         eps = self._eps_sgd.get((n, count))
         if eps is None:

@@ -23,10 +23,10 @@ import torch
 
 from fedbus.broker.wire import (DEFAULT_MAX_FRAME, Message, WireError, decode, decode_body,
                                 encode_body)
-from fedbus.node.budget import run_noise_seed, uses_secret_server_noise
+from fedbus.node.privacy.budget import run_noise_seed, uses_secret_server_noise
 from fedbus.node.config import Config, build_config
 from fedbus.node.engine import Engine, Out, Refusal, client_address, count_params
-from fedbus.node.msglog import LogCorrupt, Record, read_log
+from fedbus.record.msglog import LogCorrupt, Record, read_log
 from fedbus.node.server import build_engine, dispatch
 
 
@@ -206,7 +206,7 @@ def _as_logged(handler: Any, body: dict[str, Any], logged: Message | None) -> di
     """A task whose time budget cut it short stopped where the live client's clock
     said (a slow device's virtual clock runs on real time): replay the steps it
     logged instead of timing itself again. Handlers see only run.batches()."""
-    from fedbus.algorithms.base import LocalRun
+    from fedbus.algorithms.core.handlers import LocalRun
 
     work = logged.body.get("work") if logged is not None and isinstance(logged.body, dict) \
         else None

@@ -38,13 +38,13 @@ client (privacy.dp = "client", weight-delta algorithms; `clip_update`, `gaussian
     an observer of the global models does not see the cohort, so each round is a
     Poisson-subsampled Gaussian (`Accountant.add(z, q)`), composed over the rounds.
 
-sgd (privacy.dp = "sgd", weight-delta algorithms; fedbus.algorithms.dp_sgd, with Opacus)
+sgd (privacy.dp = "sgd", weight-delta algorithms; fedbus.algorithms.core.dp_sgd, with Opacus)
     What is protected: one training sample of one client, in the weights its local
     training ends with (so its delta, and everything made from it). DP-SGD (Abadi et al.,
     CCS 2016): every local step takes a Poisson batch (each sample with probability
     q = b / n, b = min(batch_size, n)), clips each sample's gradient to L2 norm C, adds
     N(0, (z C)^2) to their sum and divides by b (Opacus's GradSampleModule and
-    DPOptimizer). Accounting, per client (fedbus.node.budget): each task it is sent is
+    DPOptimizer). Accounting, per client (fedbus.node.privacy.budget): each task it is sent is
     epochs x ceil(n / batch_size) steps of PoissonSampled(q, Gaussian(z)), composed over its
     tasks (`Accountant.add(z, q, steps)`); no amplification by client sampling. Admitted
     wherever "client" is (the upload is a weight delta; `dp_levels`), for clients that
@@ -80,7 +80,7 @@ What is not protected.
   Classification only: dense (segmentation) labels are refused (one image is many pixels).
 - sgd: the batches and the noise come from the task seed, which the server (and any node,
   from the run's federation.seed) knows and could recompute them from, unless
-  privacy.dp_noise = "secret" draws them from the client's OS (fedbus.algorithms.dp_sgd); the
+  privacy.dp_noise = "secret" draws them from the client's OS (fedbus.algorithms.core.dp_sgd); the
   network's BatchNorm layers (refused) and anything the client computes outside
   LocalClient.run_local are not covered.
 - Client level: nothing against the server, which sees each clipped delta before noising
@@ -88,7 +88,7 @@ What is not protected.
   guarantee assumes the server samples each client independently with probability q
   (Poisson) and sums the deltas with weight 1 each (not n_k), and it covers the global
   models only.
-- The older privacy.clip_norm / noise_sigma / withhold_counts (fedbus.node.privacy) carry
+- The older privacy.clip_norm / noise_sigma / withhold_counts (fedbus.node.privacy.prototypes) carry
   no guarantee and are not accounted.
 """
 from __future__ import annotations
@@ -347,8 +347,8 @@ def gaussian_like(tree: Mapping[str, Any], std: float, seed: int) -> dict[str, A
 def dp_levels(server_cls: type) -> tuple[str, ...]:
     """The class's own DP_LEVELS (ServerHandler.DP_LEVELS), not inherited: a subclass whose
     upload differs (FedAvg-proto, MP-FedCL over FedAvg) admits nothing until it declares.
-    "sgd" (DP-SGD on the client, fedbus.algorithms.dp_sgd) comes with "client": an upload that is
-    a weight delta is post-processing of the client's DP-SGD training."""
+    "sgd" (DP-SGD on the client, fedbus.algorithms.core.dp_sgd) comes with "client": an
+    upload that is a weight delta is post-processing of the client's DP-SGD training."""
     levels = tuple(vars(server_cls).get("DP_LEVELS", ()))
     if "client" in levels and "sgd" not in levels:
         levels += ("sgd",)
@@ -414,14 +414,14 @@ def dp_refusal(server_cls: Any, level: str, params: Mapping[str, Any] | None = N
 
 def _sgd_refusal(name: str) -> str | None:
     """privacy.dp = sgd's own conditions: Opacus installed, and a client that trains through
-    LocalClient.run_local (where fedbus.algorithms.dp_sgd takes over the steps)."""
+    LocalClient.run_local (where fedbus.algorithms.core.dp_sgd takes over the steps)."""
     import importlib.util
 
     if importlib.util.find_spec("opacus") is None:
         return ("privacy.dp = sgd needs the opacus package, which is not installed: "
                 "pip install 'fedbus[privacy]'")
     from fedbus.algorithms import get_algorithm
-    from fedbus.algorithms.local import LocalClient
+    from fedbus.algorithms.core.training import LocalClient
 
     try:
         client = get_algorithm(name).client

@@ -11,7 +11,7 @@ metrics.jsonl and `fedbus plot`) and at the record's own wall time:
     agg/            the algorithm's own aggregation metrics
 
 Compare runs with `tensorboard --logdir runs/`. This module, and TensorBoard
-with it, is imported only when the option is on (see fedbus.node.rundir).
+with it, is imported only when the option is on (see fedbus.record.rundir).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from fedbus.node.config import ConfigError
+from fedbus.record import MissingExtra
 
 PARTICIPATION = ("sampled", "updates", "failed", "late", "dead", "partial", "folded",
                  "stale_max", "work_fraction", "eval_clients")
@@ -34,10 +34,10 @@ INSTALL = "log.tensorboard = true needs TensorBoard: pip install tensorboard " \
 
 
 def require() -> None:
-    """ConfigError (one line naming the install) if TensorBoard is not installed;
+    """MissingExtra (one line naming the install) if TensorBoard is not installed;
     imports nothing, so a launcher can check before any process starts."""
     if importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError(INSTALL)
+        raise MissingExtra(INSTALL)
 
 
 def tag(key: str) -> str:
@@ -74,7 +74,7 @@ class TensorBoardWriter:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise ConfigError(INSTALL) from None
+            raise MissingExtra(INSTALL) from None
         self.path = Path(run_dir) / "tensorboard"
         self._writer = SummaryWriter(log_dir=str(self.path))
 

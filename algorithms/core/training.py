@@ -1,0 +1,84 @@
+"""The local training loop every built-in client handler builds on.
+
+- `LocalClient`: cross-entropy training over `run.batches()`, one optimiser step per
+  minibatch, with a `batch_loss(x, y)` hook that FedProx, FedProto and FedTGP extend
+  with their regularisers (DP-SGD instead when privacy.dp = "sgd");
+- `LocalServer`: a server that sends an empty task and folds nothing;
+- `staleness_metrics`: the scalars every aggregation reports.
+
+The `local` algorithm (fedbus.algorithms.local) is exactly this pair.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from fedbus.algorithms.core.handlers import (ClientHandler, ClientUpdate, Failure, LocalRun,
+                                             RoundInfo, ServerHandler)
+from fedbus.algorithms.core.merge import members_of
+from fedbus.algorithms.core.params import Params
+
+
+def staleness_metrics(updates: list[ClientUpdate], failures: list[Failure]) -> dict[str, float]:
+    """Scalar metrics every aggregation reports."""
+    clients = members_of(updates)  # a relay's merged update: its members
+    out: dict[str, float] = {"updates": float(len(clients)), "failures": float(len(failures))}
+    if clients:
+        out["mean_staleness"] = sum(u.staleness for u in clients) / len(clients)
+    return out
+
+
+class LocalServer(Params, ServerHandler):
+    PARAMS: ClassVar[dict[str, Any]] = {}
+
+    def make_task(self, client: int, info: RoundInfo) -> dict[str, Any]:
+        return {}
+
+    def aggregate(self, updates: list[ClientUpdate], failures: list[Failure],
+                  info: RoundInfo) -> dict[str, float]:
+        return staleness_metrics(updates, failures)
+
+
+class LocalClient(Params, ClientHandler):
+    """Cross-entropy training over `run.batches()`. Subclasses add terms to the
+    loss by overriding `batch_loss` (it sees the features h the head consumed,
+    so prototype regularisers and running prototype sums cost no extra pass)."""
+
+    PARAMS: ClassVar[dict[str, Any]] = LocalServer.PARAMS
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.last_loss = float("nan")  # mean training loss of the last task
+
+    def batch_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        model = self.ctx.model
+        return F.cross_entropy(model.head(model.features(x)), y)
+
+    def run_local(self, run: LocalRun) -> float:
+        """One optimiser step per minibatch the engine hands out; returns the
+        mean loss (nan when the run yielded no batch)."""
+        # privacy.dp = "sgd": DP-SGD steps (Opacus) over Poisson batches
+        # (fedbus.algorithms.core.dp_sgd)
+        if (self.ctx.extra.get("privacy") or {}).get("dp") == "sgd":
+            from fedbus.algorithms.core.dp_sgd import run_dp_sgd
+
+            self.last_loss = run_dp_sgd(self, run)
+            return self.last_loss
+        self.ctx.model.train()
+        total, steps = 0.0, 0
+        for x, y in run.batches():
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = self.batch_loss(x, y)
+            loss.backward()
+            self.optimizer.step()
+            total += loss.item()
+            steps += 1
+        self.last_loss = total / steps if steps else float("nan")
+        return self.last_loss
+
+    def train(self, task: Mapping[str, Any], run: LocalRun) -> dict[str, Any]:
+        self.run_local(run)
+        return {}
