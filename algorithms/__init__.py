@@ -2,15 +2,18 @@
 
 Built-in algorithms live one per module here; a third party registers one
 through the `fedbus.algorithms` entry-point group, whose value points at an
-`Algorithm` object (``my_pkg.my_algo:ALGORITHM``). No if/elif chain anywhere:
-the engine asks `get_algorithm(name)` and gets the two handler classes.
+`Algorithm` object (``my_pkg.my_algo:ALGORITHM``; docs/PLUGINS.md, and the
+template package examples/plugin/). No if/elif chain anywhere: the engine asks
+`get_algorithm(name)` and gets the two handler classes. An entry point that does
+not load is a `PluginError`, one line naming the entry point, its module and
+what was found there.
 """
 from __future__ import annotations
 
 import importlib
 import importlib.util
 from dataclasses import dataclass
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING
 
 from fedbus.algorithms.core.moved import alias_moved
@@ -53,6 +56,55 @@ BUILTIN: dict[str, str] = {
 _loaded: dict[str, Algorithm] = {}
 
 
+class PluginError(KeyError):
+    """An algorithm entry point that does not give a usable Algorithm: its module fails to
+    import, lacks the attribute, holds something else, or an Algorithm of another name.
+    The message is one line naming the entry point, its module and what was found.
+
+    A KeyError, like an unknown name: every caller that already turns an unknown
+    algorithm into a one-line error (the config layer's `algorithm.name = ...: ...`,
+    `fedbus algorithms NAME`) does the same for a plugin that does not load."""
+
+    def __str__(self) -> str:  # KeyError's own str() is the repr of its message
+        return str(self.args[0]) if self.args else ""
+
+
+def _one_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {' '.join(str(err).split())}"[:300]
+
+
+def _found(value: object) -> str:
+    if isinstance(value, Algorithm):
+        return f"an Algorithm named {value.name!r}"
+    shown = " ".join(repr(value).split())
+    return f"{type(value).__name__} {shown[:80]}{'...' if len(shown) > 80 else ''}"
+
+
+def _load_plugin(name: str, ep: EntryPoint) -> Algorithm:
+    """The Algorithm an entry point names, or PluginError saying what is wrong with it."""
+    dist = getattr(ep, "dist", None)
+    package = f", package {dist.name} {dist.version}" if dist is not None else ""
+    where = f"plugin entry point {name!r} ({name} = {ep.value}{package})"
+    try:
+        module = importlib.import_module(ep.module)
+    except Exception as err:  # any import-time failure of third-party code
+        raise PluginError(f"{where}: module {ep.module} does not import: "
+                          f"{_one_line(err)}") from err
+    value: object = module
+    for part in filter(None, (ep.attr or "").split(".")):  # "module:Class.attribute" too
+        if not hasattr(value, part):
+            raise PluginError(f"{where}: module {ep.module} has no attribute {ep.attr}")
+        value = getattr(value, part)
+    found = f"{ep.module}.{ep.attr}" if ep.attr else f"module {ep.module}"
+    if not isinstance(value, Algorithm):
+        raise PluginError(f"{where}: {found} is {_found(value)}, not a "
+                          f"fedbus.algorithms.Algorithm")
+    if value.name != name:
+        raise PluginError(f"{where}: {found} is {_found(value)}; the entry point's name and "
+                          f"Algorithm.name must be the same")
+    return value
+
+
 def _plugins() -> dict[str, object]:
     return {ep.name: ep for ep in entry_points(group="fedbus.algorithms")}
 
@@ -68,10 +120,10 @@ def get_algorithm(name: str) -> Algorithm:
     if name in BUILTIN:
         algo = importlib.import_module(BUILTIN[name]).ALGORITHM
     elif name in (plugins := _plugins()):
-        algo = plugins[name].load()
+        algo = _load_plugin(name, plugins[name])
     else:
         raise KeyError(f"unknown algorithm {name!r}; available: {', '.join(available())}")
-    if not isinstance(algo, Algorithm) or algo.name != name:
+    if not isinstance(algo, Algorithm) or algo.name != name:  # a built-in module's bug
         raise TypeError(f"{name!r} does not resolve to an Algorithm named {name!r}")
     _loaded[name] = algo
     return algo

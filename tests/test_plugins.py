@@ -57,3 +57,87 @@ def test_an_entry_point_algorithm_is_found_validated_and_runs(tmp_path):
                     "--quiet"], env=env, cwd=REPO, check=True, timeout=300)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["algorithm"] == "halfstep" and summary["rounds_completed"] == 2
+
+
+# --- a plugin that does not load: one line naming the entry point, its module and what
+# was found, exit code 2, from every command that resolves the algorithm ---
+
+BROKEN = '''
+from fedbus.algorithms import Algorithm
+from fedbus.algorithms.fedavg import FedAvgServer, FedAvgClient
+
+ALGORITHM = Algorithm("some-other-name", FedAvgServer, FedAvgClient, "misnamed")
+NOT_AN_ALGORITHM = {"server": FedAvgServer}
+'''
+
+
+def _install_broken_plugins(root):
+    """One package with three bad entry points: an Algorithm under another name, a value
+    that is no Algorithm, and a module that fails to import."""
+    (root / "broken_plugin.py").write_text(textwrap.dedent(BROKEN))
+    (root / "failing_plugin.py").write_text("import a_module_that_is_not_installed\n")
+    info = root / "broken_plugin-0.2.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-plugin\nVersion: 0.2\n")
+    (info / "entry_points.txt").write_text(
+        "[fedbus.algorithms]\n"
+        "misnamed = broken_plugin:ALGORITHM\n"
+        "not-algo = broken_plugin:NOT_AN_ALGORITHM\n"
+        "fails-import = failing_plugin:ALGORITHM\n")
+    return {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+PLUGIN_ERRORS = {
+    "misnamed": ("(misnamed = broken_plugin:ALGORITHM, package broken-plugin 0.2): "
+                 "broken_plugin.ALGORITHM is an Algorithm named 'some-other-name'; the entry "
+                 "point's name and Algorithm.name must be the same"),
+    "not-algo": ("(not-algo = broken_plugin:NOT_AN_ALGORITHM, package broken-plugin 0.2): "
+                 "broken_plugin.NOT_AN_ALGORITHM is dict {'server': "),
+    "fails-import": ("(fails-import = failing_plugin:ALGORITHM, package broken-plugin 0.2): "
+                     "module failing_plugin does not import: ModuleNotFoundError: No module "
+                     "named 'a_module_that_is_not_installed'"),
+}
+
+
+def _one_line_error(proc, prefix: str, name: str) -> str:
+    assert proc.returncode == 2, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    line = lines[0]
+    assert line.startswith(f"{prefix}algorithm.name = {name!r}: plugin entry point {name!r} "), \
+        line
+    assert PLUGIN_ERRORS[name] in line, line
+    return line
+
+
+def test_each_plugin_error_is_one_line_naming_entry_point_module_and_what_was_found(tmp_path):
+    env = _install_broken_plugins(tmp_path)
+    for name in PLUGIN_ERRORS:
+        run = subprocess.run(
+            [sys.executable, "-m", "fedbus.launch", "run", "--set", f"algorithm.name={name}",
+             "--out", str(tmp_path / f"run-{name}"), "--quiet"],
+            env=env, capture_output=True, text=True, cwd=REPO, timeout=120)
+        _one_line_error(run, "fedbus: config error: ", name)
+        assert not (tmp_path / f"run-{name}").exists()  # refused before anything started
+    line = _one_line_error(subprocess.run(
+        [sys.executable, "-m", "fedbus.launch", "server", "--broker", "tcp://127.0.0.1:9",
+         "--set", "algorithm.name=not-algo", "--out", str(tmp_path / "server-run")],
+        env=env, capture_output=True, text=True, cwd=REPO, timeout=120),
+        "fedbus server: ", "not-algo")
+    assert "not a fedbus.algorithms.Algorithm" in line
+
+
+def test_broken_plugins_do_not_hide_the_others_in_the_listing(tmp_path):
+    env = _install_broken_plugins(tmp_path)
+    listing = subprocess.run([sys.executable, "-m", "fedbus.launch", "algorithms", "--json"],
+                             env=env, capture_output=True, text=True, cwd=REPO, check=True,
+                             timeout=300)
+    records = {r["name"]: r for r in json.loads(listing.stdout)}
+    assert "fedavg" in records and "error" not in records["fedavg"]
+    for name, detail in PLUGIN_ERRORS.items():
+        assert records[name]["error"].startswith(f"PluginError: plugin entry point {name!r}")
+        assert detail in records[name]["error"]
+    one = subprocess.run([sys.executable, "-m", "fedbus.launch", "algorithms", "misnamed"],
+                         env=env, capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert one.returncode == 2 and len(one.stderr.strip().splitlines()) == 1, one.stderr
+    assert PLUGIN_ERRORS["misnamed"] in one.stderr
