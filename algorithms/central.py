@@ -47,8 +47,8 @@ import torch.nn.functional as F
 from fedbus.algorithms import Algorithm
 from fedbus.algorithms.core.handlers import (ClientUpdate, Failure, LocalRun, RoundInfo,
                                              load_weights, model_weights)
-from fedbus.algorithms.fedavg import FedAvgClient, FedAvgServer
 from fedbus.algorithms.core.training import staleness_metrics
+from fedbus.algorithms.fedavg import FedAvgClient, FedAvgServer
 
 
 class CentralServer(FedAvgServer):

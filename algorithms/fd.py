@@ -91,10 +91,10 @@ import torch.nn.functional as F
 from fedbus.algorithms import Algorithm
 from fedbus.algorithms.core.handlers import (ClientUpdate, Failure, LocalRun, RoundInfo,
                                              ServerHandler, to_tensor)
-from fedbus.algorithms.core.params import Params, opt
-from fedbus.algorithms.core.training import LocalClient, staleness_metrics
 from fedbus.algorithms.core.merge import LogitSums
+from fedbus.algorithms.core.params import Params, opt
 from fedbus.algorithms.core.protos import class_sums, fold_prototypes
+from fedbus.algorithms.core.training import LocalClient, staleness_metrics
 
 DISTILL_LOSSES = ("paper", "softmax", "raw")
 

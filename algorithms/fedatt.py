@@ -48,10 +48,10 @@ import numpy as np
 
 from fedbus.algorithms import Algorithm
 from fedbus.algorithms.core.handlers import ClientUpdate, Failure, RoundInfo
-from fedbus.algorithms.fedavg import PARTIAL, FedAvgClient, FedAvgServer
 from fedbus.algorithms.core.params import opt
 from fedbus.algorithms.core.training import staleness_metrics
 from fedbus.algorithms.core.weights import apply_delta
+from fedbus.algorithms.fedavg import PARTIAL, FedAvgClient, FedAvgServer
 
 
 def attentive_step(deltas: Sequence[Mapping[str, Any]], scale: Sequence[float],

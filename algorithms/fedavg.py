@@ -53,11 +53,11 @@ from fedbus.algorithms import Algorithm
 from fedbus.algorithms.core.handlers import (ClientUpdate, Failure, LocalRun, RoundInfo,
                                              ServerHandler, load_weights, model_weights,
                                              weight_delta)
+from fedbus.algorithms.core.merge import DeltaSums, weighted_sum
 from fedbus.algorithms.core.metrics import head_metrics
 from fedbus.algorithms.core.params import Params, opt
-from fedbus.algorithms.core.training import LocalClient, staleness_metrics
-from fedbus.algorithms.core.merge import DeltaSums, weighted_sum
 from fedbus.algorithms.core.robust import ROBUST_PARAMS, Outcome, Robust, no_merged, report
+from fedbus.algorithms.core.training import LocalClient, staleness_metrics
 from fedbus.algorithms.core.weights import apply_delta, average_deltas, fedavg_coefs, weights_spec
 
 PARTIAL = opt("tolerate", "a partial update (fewer epochs than asked): tolerate = aggregate "

@@ -72,10 +72,9 @@ import torch
 
 from fedbus.algorithms import Algorithm
 from fedbus.algorithms.core.handlers import ClientUpdate, Failure, LocalRun, RoundInfo, to_tensor
-from fedbus.algorithms.core.metrics import head_metrics
-from fedbus.algorithms.fedavg import FedAvgClient, FedAvgServer, swapped_weights
-from fedbus.algorithms.core.params import opt, resolved_params
 from fedbus.algorithms.core.merge import DeltaAndPrototypeSums
+from fedbus.algorithms.core.metrics import head_metrics
+from fedbus.algorithms.core.params import opt, resolved_params
 from fedbus.algorithms.core.protos import (
     fold_prototypes,
     head_and_prototype_metrics,
@@ -83,6 +82,7 @@ from fedbus.algorithms.core.protos import (
     prototype_metrics,
 )
 from fedbus.algorithms.core.robust import ROBUST_PARAMS, Outcome, report
+from fedbus.algorithms.fedavg import FedAvgClient, FedAvgServer, swapped_weights
 
 
 class FedAvgProtoServer(FedAvgServer):

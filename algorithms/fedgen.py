@@ -95,10 +95,10 @@ from torch import nn
 from fedbus.algorithms import Algorithm
 from fedbus.algorithms.core.handlers import (ClientUpdate, Failure, LocalRun, RoundInfo,
                                              ServerHandler, to_tensor)
-from fedbus.algorithms.fedgh import (head_module, header_weights, load_header, score_both_heads,
-                                    server_batch_size, server_training_params)
 from fedbus.algorithms.core.params import Params, opt
 from fedbus.algorithms.core.training import LocalClient, staleness_metrics
+from fedbus.algorithms.fedgh import (head_module, header_weights, load_header, score_both_heads,
+                                    server_batch_size, server_training_params)
 
 
 class Generator(nn.Module):

@@ -90,9 +90,9 @@ from fedbus.algorithms.core.handlers import (ClientUpdate, Failure, LocalRun, Ro
                                              ServerHandler, to_tensor)
 from fedbus.algorithms.core.metrics import head_metrics
 from fedbus.algorithms.core.params import Params, opt
-from fedbus.algorithms.core.training import LocalClient, staleness_metrics
 from fedbus.algorithms.core.protos import class_sums, local_prototypes
 from fedbus.algorithms.core.split import head_prefix
+from fedbus.algorithms.core.training import LocalClient, staleness_metrics
 
 
 def server_training_params(over: str, epochs: tuple[int, str], batch_size: tuple[int, str],

@@ -93,13 +93,13 @@ import torch
 import torch.nn.functional as F
 
 from fedbus.algorithms import Algorithm
-from fedbus.algorithms.fml import CLIP_GRAD, KL, SHARED_ARCH, AuxClient, AuxServer, kl_div
 from fedbus.algorithms.core.handlers import (ClientUpdate, Failure, LocalRun, RoundInfo,
                                              load_weights, weight_delta)
 from fedbus.algorithms.core.metrics import head_metrics
 from fedbus.algorithms.core.params import opt
 from fedbus.algorithms.core.training import staleness_metrics
 from fedbus.algorithms.core.weights import average_deltas, fedavg_coefs, model_spec
+from fedbus.algorithms.fml import CLIP_GRAD, KL, SHARED_ARCH, AuxClient, AuxServer, kl_div
 
 FACTORS = ("u", "s", "v")
 

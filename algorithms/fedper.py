@@ -51,12 +51,12 @@ import torch
 
 from fedbus.algorithms import Algorithm
 from fedbus.algorithms.core.handlers import LocalRun, model_weights, to_tensor
-from fedbus.algorithms.core.metrics import head_metrics
-from fedbus.algorithms.fedavg import PARTIAL, FedAvgServer
-from fedbus.algorithms.core.training import LocalClient
 from fedbus.algorithms.core.merge import DeltaSums
+from fedbus.algorithms.core.metrics import head_metrics
 from fedbus.algorithms.core.split import body_names, head_names, head_prefix
+from fedbus.algorithms.core.training import LocalClient
 from fedbus.algorithms.core.weights import weights_spec
+from fedbus.algorithms.fedavg import PARTIAL, FedAvgServer
 
 # A part of a network: {wire name: state-dict name}.
 PartMap = dict[str, str]

@@ -108,13 +108,13 @@ import torch.nn.functional as F
 from fedbus.algorithms import Algorithm
 from fedbus.algorithms.core.handlers import (ClientUpdate, Failure, LocalRun, RoundInfo,
                                              ServerHandler, to_tensor)
-from fedbus.algorithms.core.params import Params, opt
-from fedbus.algorithms.core.training import LocalClient, staleness_metrics
 from fedbus.algorithms.core.merge import PrototypeSums
+from fedbus.algorithms.core.params import Params, opt
 from fedbus.algorithms.core.protos import (class_counts, class_means, class_sums, fold_prototypes,
                                       head_and_prototype_metrics, local_prototypes,
                                       pixel_samples)
 from fedbus.algorithms.core.robust import ROBUST_PARAMS, Outcome, Robust, report
+from fedbus.algorithms.core.training import LocalClient, staleness_metrics
 
 # FedProto's PARAMS entries for the client's two readings, declared apart so that the tests
 # can check their defaults on their own.

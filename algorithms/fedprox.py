@@ -31,10 +31,10 @@ from typing import Any, ClassVar
 import torch
 
 from fedbus.algorithms import Algorithm
-from fedbus.algorithms.fedavg import FedAvgClient, FedAvgServer
-from fedbus.algorithms.core.params import opt
 from fedbus.algorithms.core.merge import DeltaSums
+from fedbus.algorithms.core.params import opt
 from fedbus.algorithms.core.robust import ROBUST_PARAMS
+from fedbus.algorithms.fedavg import FedAvgClient, FedAvgServer
 
 
 class FedProxServer(FedAvgServer):

@@ -63,10 +63,10 @@ import torch
 
 from fedbus.algorithms import Algorithm
 from fedbus.algorithms.core.handlers import LocalRun
-from fedbus.algorithms.fedper import SharedPartClient, SharedPartServer
-from fedbus.algorithms.core.params import opt
 from fedbus.algorithms.core.merge import DeltaSums
+from fedbus.algorithms.core.params import opt
 from fedbus.algorithms.core.split import body_parameters, head_parameters
+from fedbus.algorithms.fedper import SharedPartClient, SharedPartServer
 
 
 @contextmanager

@@ -120,9 +120,7 @@ from torch import nn
 from fedbus.algorithms import Algorithm
 from fedbus.algorithms.core.handlers import (ClientUpdate, Failure, LocalRun, RoundInfo,
                                              ServerHandler, to_tensor)
-from fedbus.algorithms.fedgh import server_batch_size, server_training_params
 from fedbus.algorithms.core.params import Params, opt
-from fedbus.algorithms.core.training import LocalClient, staleness_metrics
 from fedbus.algorithms.core.protos import (
     aggregate_prototypes,
     class_counts,
@@ -132,6 +130,8 @@ from fedbus.algorithms.core.protos import (
     pixel_samples,
 )
 from fedbus.algorithms.core.robust import ROBUST_PARAMS, Outcome, Robust, report
+from fedbus.algorithms.core.training import LocalClient, staleness_metrics
+from fedbus.algorithms.fedgh import server_batch_size, server_training_params
 
 MARGINS = ("max", "max_min", "fixed", "none")
 

@@ -151,11 +151,11 @@ import torch.nn.functional as F
 
 from fedbus.algorithms import Algorithm
 from fedbus.algorithms.core.handlers import ClientUpdate, Failure, LocalRun, RoundInfo, to_tensor
-from fedbus.algorithms.core.metrics import head_metrics
-from fedbus.algorithms.fedavg import FedAvgClient, FedAvgServer, swapped_weights
-from fedbus.algorithms.core.params import opt
 from fedbus.algorithms.core.merge import DeltaSumsAndPool
+from fedbus.algorithms.core.metrics import head_metrics
+from fedbus.algorithms.core.params import opt
 from fedbus.algorithms.core.protos import class_means, embeddings
+from fedbus.algorithms.fedavg import FedAvgClient, FedAvgServer, swapped_weights
 
 PARAMS: dict[str, Any] = {
     "k": opt(2, "prototypes per class per client (paper Table IV: MNIST 2, Digit-5/Office-10 4, "

@@ -109,9 +109,9 @@ import torch
 from fedbus.algorithms import Algorithm
 from fedbus.algorithms.core.handlers import ClientUpdate, Failure, LocalRun, RoundInfo, to_tensor
 from fedbus.algorithms.core.metrics import head_metrics
-from fedbus.algorithms.fedavg import FedAvgClient, FedAvgServer, swapped_weights
 from fedbus.algorithms.core.params import opt
 from fedbus.algorithms.core.protos import local_prototypes, minmax_channels, prototype_metrics
+from fedbus.algorithms.fedavg import FedAvgClient, FedAvgServer, swapped_weights
 
 PARAMS: dict[str, Any] = {
     "norm": opt("sigmoid", "client deviations -> attention: sigmoid (eq. 11-12: sigmoid of the "

@@ -377,10 +377,10 @@ def replay_without(run_dir: Path, srcs: set[str]):
     the first config acknowledgement of each (which made its clients live and so shaped the
     sampling) and the refusals of its messages (which ended its tasks: "every answer of the
     attacker refused"). Returns (engine, messages skipped)."""
-    from fedbus.broker import wire
-    from fedbus.record.msglog import read_log
     from fedbus.analysis.replay import load_run
+    from fedbus.broker import wire
     from fedbus.node.server import build_engine, dispatch
+    from fedbus.record.msglog import read_log
 
     try:
         from fedbus.analysis.replay import take_refused

@@ -195,8 +195,8 @@ class Reference:
     def __init__(self, cfg_sections: dict[str, dict[str, Any]], style: str = "htfllib"):
         import torch
 
-        from fedbus.algorithms.fedproto import FedProtoServer
         from fedbus.algorithms.core.params import default_of
+        from fedbus.algorithms.fedproto import FedProtoServer
         from fedbus.node.config import build_config
         from fedbus.node.setup import federated_data, make_model
 

@@ -883,8 +883,8 @@ class Engine:
         """Client-level DP without secure aggregation: the round's clipped deltas summed
         with weight 1 each (a relay's merged sum is one already), noised, as one merged
         update: the handler steps by sum / number of clients."""
-        from fedbus.algorithms.core.params import resolved_params
         from fedbus.algorithms.core.merge import weighted_sum
+        from fedbus.algorithms.core.params import resolved_params
 
         if not updates:
             return []

@@ -39,8 +39,8 @@ import numpy as np
 
 from fedbus.algorithms import get_algorithm
 from fedbus.algorithms.core.handlers import Work
-from fedbus.algorithms.core.params import resolved_params
 from fedbus.algorithms.core.merge import form_nbytes
+from fedbus.algorithms.core.params import resolved_params
 from fedbus.broker.log import get_logger
 from fedbus.broker.peer import Peer
 from fedbus.broker.wire import BROADCAST, BROKER, SERVER, Message

@@ -24,9 +24,9 @@ from algo_support import (TRAIN, C, D, Net, check_spec, client_ctx, digits_parts
 from fedbus.algorithms import get_algorithm
 from fedbus.algorithms.core.handlers import ClientContext, LocalRun, RoundInfo, Work
 from fedbus.algorithms.core.metrics import head_metrics
+from fedbus.algorithms.core.protos import local_prototypes
 from fedbus.algorithms.fedgen import Generator, diversity_loss, label_weights
 from fedbus.algorithms.fedgh import header_weights, load_header
-from fedbus.algorithms.core.protos import local_prototypes
 from fedbus.models.registry import build_model
 
 torch.set_num_threads(1)

@@ -44,8 +44,8 @@ def test_fedproto_spec_and_initial_task():
 
 
 def test_fedproto_defaults_follow_the_paper():
-    from fedbus.algorithms.fedproto import INFER_CLASSES, PROTO_LOSS, FedProtoServer
     from fedbus.algorithms.core.params import default_of
+    from fedbus.algorithms.fedproto import INFER_CLASSES, PROTO_LOSS, FedProtoServer
     defaults = {k: default_of(v) for k, v in FedProtoServer.PARAMS.items()}
     assert defaults == {"lam": 1.0,  # the paper's best lambda on MNIST and FEMNIST
                         "proto_loss": "mse",  # App. B eq. 1 (eq. 8 leaves d open), the code

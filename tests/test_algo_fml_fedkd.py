@@ -28,7 +28,6 @@ from algo_support import (
 from torch import nn
 
 from fedbus.algorithms import get_algorithm
-from fedbus.algorithms.fml import choose_arch, count_trainable
 from fedbus.algorithms.core.handlers import Failure, LocalRun, RoundInfo, Work, model_weights
 from fedbus.algorithms.fedkd import (
     energy_rank,
@@ -38,6 +37,7 @@ from fedbus.algorithms.fedkd import (
     svd_compress,
     svd_reconstruct,
 )
+from fedbus.algorithms.fml import choose_arch, count_trainable
 from fedbus.algorithms.fml import fml_losses
 
 torch.set_num_threads(1)

@@ -11,9 +11,9 @@ from algo_support import check_spec, make_model_fn, seven_class_digits, tiny_har
 from fedbus.algorithms import get_algorithm
 from fedbus.algorithms.core.handlers import ClientContext, Failure, LocalRun, RoundInfo
 from fedbus.algorithms.core.metrics import head_metrics
+from fedbus.algorithms.core.protos import embeddings
 from fedbus.algorithms.mpfedcl import (MPFedCLClient, MPFedCLServer, client_prototypes,
                                        merge_pool, pool_contrastive_loss, pool_distances)
-from fedbus.algorithms.core.protos import embeddings
 
 torch.set_num_threads(1)
 

@@ -70,8 +70,8 @@ def test_fedavg_records_ffd_against_the_central_run(central, tmp_path):
 
 
 def test_the_central_model_against_itself_is_zero(central):
-    from fedbus.node.config import build_config
     from fedbus.analysis.ffd import FeatureDiscrepancy, load_reference
+    from fedbus.node.config import build_config
 
     ref, _ = central
     raw = json.loads((ref / "config.json").read_text())

@@ -19,16 +19,16 @@ import torch
 import torch.nn.functional as F
 
 from fedbus.algorithms import get_algorithm
+from fedbus.algorithms.core.dp_sgd import DPSGD, model_refusal, task_sampling
 from fedbus.algorithms.core.handlers import ClientContext, LocalRun
 from fedbus.broker.wire import decode
 from fedbus.models.registry import build_model
-from fedbus.node.privacy.budget import PrivacyLedger
 from fedbus.node.client_host import dp_release
 from fedbus.node.config import build_config
+from fedbus.node.privacy.budget import PrivacyLedger
 from fedbus.node.privacy.dp import RDP_ORDERS, dp_levels, dp_refusal
-from fedbus.algorithms.core.dp_sgd import DPSGD, model_refusal, task_sampling
-from fedbus.record.msglog import read_log
 from fedbus.node.server import build_engine
+from fedbus.record.msglog import read_log
 from tests.helpers import SMALL, fedbus, merged, metrics, run_federation, write_config
 
 OPACUS_ATTRS = ("grad_sample", "summed_grad", "_forward_counter", "_current_grad_sample")

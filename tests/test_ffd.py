@@ -69,9 +69,9 @@ def test_record_metrics_on_a_hand_made_reference(tmp_path):
     server writes them): its own weights give 0 on every client, other weights > 0,
     and ffd_round_mean averages over the record's participants only."""
     from fedbus.algorithms.core.handlers import model_weights
+    from fedbus.analysis.ffd import FeatureDiscrepancy
     from fedbus.broker.wire import encode_body
     from fedbus.node.config import build_config
-    from fedbus.analysis.ffd import FeatureDiscrepancy
     from fedbus.node.setup import make_model
 
     data = {"dataset": "digits", "partition": "iid"}
@@ -103,8 +103,8 @@ def test_record_metrics_on_a_hand_made_reference(tmp_path):
 
 
 def test_config_errors_are_one_line(tmp_path):
-    from fedbus.node.config import ConfigError, build_config
     from fedbus.analysis.ffd import check_reference
+    from fedbus.node.config import ConfigError, build_config
 
     def cfg(algorithm, ref):
         return build_config({"algorithm": {"name": algorithm},

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from fedbus.node.config import build_config
-from fedbus.node.privacy.dp import RDP_ORDERS
 from fedbus.node.engine import client_address
+from fedbus.node.privacy.dp import RDP_ORDERS
 from fedbus.node.server import build_engine, dispatch
 from tests.helpers import SMALL, fedbus, merged, metrics, run_federation, write_config
 from tests.test_secure_aggregation import WORK, _msg, secure_round

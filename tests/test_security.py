@@ -524,9 +524,9 @@ def _replay_without(run_dir, src: str):
     """The server's engine after the run's logged inputs, minus those from src: but its first
     config acknowledgement (which made its client live and so shaped the sampling) and, for an
     update that answered its live task, the ending of that task (a rejected answer ends it)."""
-    from fedbus.record.msglog import read_log
     from fedbus.analysis.replay import load_run
     from fedbus.node.server import build_engine, dispatch
+    from fedbus.record.msglog import read_log
 
     from fedbus.analysis.replay import take_refused
 

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from fedbus.algorithms.core.handlers import ClientUpdate
-from fedbus.algorithms.core.metrics import HeadScores, confusion_matrix, dense_scores, head_metrics
 from fedbus.algorithms.core.merge import PrototypeSums, weighted_sum
+from fedbus.algorithms.core.metrics import HeadScores, confusion_matrix, dense_scores, head_metrics
 from fedbus.algorithms.core.robust import Outcome, RobustRule, no_merged
 
 

@@ -105,8 +105,8 @@ def secagg_refusal(cfg: Any) -> str | None:
     """One line on why this run cannot use secure aggregation, or None (also when it is
     off). Checked at preflight and when the server starts."""
     from fedbus.algorithms import get_algorithm
-    from fedbus.algorithms.core.params import resolved_params
     from fedbus.algorithms.core.merge import DeltaSumsAndPool
+    from fedbus.algorithms.core.params import resolved_params
 
     if not cfg.privacy.secure_aggregation:
         return None
