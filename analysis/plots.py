@@ -1,6 +1,7 @@
 """Figures of one or more run directories (what `fedbus plot` draws).
 
-    accuracy-round.png   test accuracy against round, runs overlaid
+    accuracy-round.png   test accuracy against round, runs overlaid (or, by group, one
+                         mean curve and min-max band per group: plot_groups)
     accuracy-time.png    the same against wall-clock seconds
     bytes.png            bytes up/down per round, and cumulative traffic
     participation*.png   client x round grid: trained / partial / late / dropped ...
@@ -249,6 +250,135 @@ def _num(v: Any) -> float | None:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None
     return float(v) if math.isfinite(v) else None
+
+
+# --- accuracy by group -------------------------------------------------------------------
+
+@dataclass
+class Curve:
+    """One metric of one group: the mean over its runs at each round every run evaluated,
+    and the min and max over them (the band)."""
+    rounds: np.ndarray
+    x: np.ndarray  # rounds, or the runs' mean wall_s at those rounds
+    mean: np.ndarray
+    low: np.ndarray
+    high: np.ndarray
+    partial_rounds: list[int]  # evaluated in some of the group's runs only: not drawn
+
+
+def group_curve(runs: list[RunData], key: str, axis: str = "round") -> Curve | None:
+    """`key`_mean of each run by round; None when no run of the group records it."""
+    per_run = []
+    for run in runs:
+        points = {int(r["round"]): (float(r[f"{key}_mean"]), _num(r.get("wall_s")))
+                  for r in run.records if _num(r.get(f"{key}_mean")) is not None}
+        per_run.append(points)
+    if not any(per_run):
+        return None
+    everywhere = sorted(set.intersection(*(set(p) for p in per_run)))
+    partial = sorted(set().union(*(set(p) for p in per_run)) - set(everywhere))
+    values = np.array([[p[r][0] for r in everywhere] for p in per_run]).reshape(
+        len(per_run), len(everywhere))
+    rounds = np.array(everywhere, dtype=float)
+    x = rounds
+    if axis == "time":
+        times = np.array([[p[r][1] if p[r][1] is not None else np.nan for r in everywhere]
+                          for p in per_run]).reshape(len(per_run), len(everywhere))
+        x = times.mean(axis=0)
+    return Curve(rounds, x, values.mean(axis=0), values.min(axis=0), values.max(axis=0),
+                 partial)
+
+
+def plot_group_accuracy(groups: dict[str, list[RunData]], axis: str, path: Path,
+                        report: Report, keys: list[str] | None = None) -> None:
+    """One mean curve per group and metric, shaded between the group's lowest and highest
+    run (min-max: with a few seeds a std band would claim more than the runs show)."""
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator, PercentFormatter
+    fig = _figure(9.0, 5.2)
+    ax = fig.add_subplot()
+    drawn = 0
+    for (name, runs), colour in zip(groups.items(), _run_colours(len(groups))):
+        for key, what, style, marker in ACC_METRICS:
+            curve = group_curve(runs, key, axis)
+            if curve is None:
+                continue
+            if curve.partial_rounds:
+                report.notes.append(
+                    f"{path.name}: {name}: {key} at round(s) "
+                    f"{', '.join(map(str, curve.partial_rounds))} is in only some of its "
+                    f"{len(runs)} runs, not drawn")
+            keep = np.isfinite(curve.x)
+            if not keep.any():
+                continue
+            kw = {"marker": marker, "markersize": 4} if keep.sum() <= 60 else {}
+            ax.plot(curve.x[keep], curve.mean[keep], style, color=colour, linewidth=1.8,
+                    label=f"{name} ({len(runs)} runs): {what}", **kw)
+            ax.fill_between(curve.x[keep], curve.low[keep], curve.high[keep], color=colour,
+                            alpha=0.15, linewidth=0)
+            drawn += 1
+    if not drawn:
+        report.skipped.append(f"{path.name}: no evaluated rounds in any group")
+        return
+    ax.set_xlabel("round (0-based, as in metrics.jsonl)" if axis == "round"
+                  else "wall time since the server started (s; mean over the group's runs)")
+    if axis == "round":
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel("test accuracy (mean over clients)")
+    ax.yaxis.set_major_formatter(PercentFormatter(xmax=1.0))
+    lo, hi = ax.get_ylim()
+    ax.set_ylim(max(lo, 0.0), min(hi, 1.02))
+    ax.grid(True, alpha=0.3)
+    ax.set_title(f"Test accuracy against {'round' if axis == 'round' else 'wall time'}, "
+                 "by group\n(line: mean over the group's runs; shaded: min-max over them)",
+                 fontsize=11)
+    handles, _ = ax.get_legend_handles_labels()
+    handles.append(Patch(color="grey", alpha=0.3, label="shaded: min-max over the runs"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8,
+              title=", ".join(keys) if keys else None, title_fontsize=8)
+    _save(fig, path, report)
+
+
+def load_groups(paths: list[str | Path], keys: list[str]
+                ) -> tuple[dict[str, list[RunData]], list[str]]:
+    """The runs named (run, sweep or folder of run directories, as `fedbus table` reads
+    them) by their values of the config `keys`, and notes on the runs that are incomplete
+    (drawn as far as they go) or absent. TableError: a key no run has."""
+    from fedbus.analysis.table import check_key, group_runs, select_runs
+
+    selection = select_runs(paths)
+    notes = list(selection.notes)
+    present = [r for r in selection.runs if is_run_dir(r.path)]
+    notes += [f"{r.path}: {r.problem}, not drawn" for r in selection.runs if r not in present]
+    notes += [f"{r.path}: {r.problem}, drawn as far as it goes" for r in present
+              if not r.complete]
+    if not present:
+        raise NotARunDir("no run directory among " + ", ".join(map(str, paths)))
+    for key in keys:
+        check_key(present, key, "--group-by")
+    groups = {", ".join(values): [load_run(r.path) for r in members]
+              for values, members in group_runs(present, keys).items()}
+    return groups, notes
+
+
+def plot_groups(groups: dict[str, list[RunData]], out: Path,
+                keys: list[str] | None = None) -> Report:
+    """`fedbus plot --group-by`: the accuracy figures with one mean curve and band per
+    group (named by its values of `keys`, the legend's title). Per-run figures
+    (participation, t-SNE, ...) are one run's: not drawn here."""
+    report = Report()
+    for runs in groups.values():
+        for run in runs:
+            for note in run.notes:
+                report.skipped.append(f"{run.label}: {note}")
+            if not run.records:
+                report.skipped.append(f"{run.label}: metrics.jsonl missing or empty "
+                                      "(no round was recorded)")
+    plot_group_accuracy(groups, "round", out / "accuracy-round.png", report, keys)
+    plot_group_accuracy(groups, "time", out / "accuracy-time.png", report, keys)
+    report.notes.append("per-run figures (participation, t-SNE, bytes, ...) are not drawn "
+                        "with --group-by: plot a run on its own for them")
+    return report
 
 
 # --- bytes -------------------------------------------------------------------------
