@@ -12,6 +12,7 @@ import argparse
 import os
 import socket
 import sys
+from pathlib import Path
 
 from fedbus.launch.common import add_log_arguments, setup_logging
 from fedbus.launch.devices import parse_ids
@@ -37,10 +38,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spool-dir", default=None, help="folder for clients evicted to disk")
     p.add_argument("--heartbeat-s", type=float, default=1.0)
     p.add_argument("--liveness", type=int, default=3)
+    p.add_argument("--state-dir", default=None,
+                   help="where each client's state is saved after each task, so that a "
+                   "resumed server continues with it; files are keyed by run id and client "
+                   "(nodes on one machine can share the folder) and deleted when the run "
+                   "completes (default: $XDG_STATE_HOME/fedbus/clients, else "
+                   "~/.local/state/fedbus/clients; 'none' saves nothing, and a resume then "
+                   "restarts these clients from their initial state)")
     p.add_argument("--message-log-dir", default=None,
                    help="where to write this node's message log when log.client_messages")
     add_peer_curve_arguments(p)
     add_log_arguments(p)
+
+
+def state_dir(given: str | None) -> Path | None:
+    if given == "none":
+        return None
+    if given:
+        return Path(given)
+    return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") \
+        / "fedbus" / "clients"
 
 
 def resolve_device(spec: str) -> str:
@@ -84,5 +101,7 @@ def main(args: argparse.Namespace) -> int:
                       max_resident=args.max_resident, memory_mb=args.memory_mb,
                       threads=args.threads, evict_to=args.evict_to,
                       heartbeat_s=args.heartbeat_s, liveness=args.liveness,
-                      spool_dir=args.spool_dir, log_dir=args.message_log_dir, curve=curve)
+                      spool_dir=args.spool_dir, log_dir=args.message_log_dir,
+                      state_dir=state_dir(args.state_dir),
+                      curve=curve)
     return node.serve()

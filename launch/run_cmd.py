@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import signal
 import socket
 import sys
@@ -27,13 +28,23 @@ from fedbus.launch.server_cmd import default_run_dir
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
-    p.add_argument("--out", default=None, help="run directory (default runs/DATE-ALGORITHM)")
+    p.add_argument("--out", default=None, help="run directory (default runs/DATE-ALGORITHM); "
+                   "one that already holds a run is refused unless --resume or --force")
+    p.add_argument("--resume", default=None, metavar="RUN",
+                   help="continue the stopped run in RUN from its last checkpoint: broker, "
+                   "server and nodes start again and every client continues from the state "
+                   "it saved (no CONFIG or --set: the run keeps its own config)")
+    p.add_argument("--force", action="store_true",
+                   help="start the run in --out again from scratch, deleting the run there")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
     p.add_argument("--keep-going", action="store_true",
                    help="a client node's death is tolerated (the federation copes) "
                    "instead of stopping the run")
     p.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"],
                    help="level of the processes' logs in RUN/logs (default: log.level)")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config (CONFIG or the embedded default, with "
+                   "--set applied) as TOML, then exit: what the run would use")
     p.add_argument("--help-config", action="store_true",
                    help="list every config key with its default, and under [algorithm] the "
                    "parameters of the algorithm CONFIG or --set algorithm.name chooses "
@@ -67,9 +78,21 @@ def main(args: argparse.Namespace) -> int:
         from fedbus.launch.algorithms_cmd import help_config
 
         return help_config(args)
-    cfg = config_from_args(args)
-    if cfg is None:
-        return 2
+    if args.resume:
+        try:
+            run_dir, cfg = resumable(args)
+        except ValueError as err:
+            print(f"fedbus run: {err}", file=sys.stderr)
+            return 2
+    else:
+        cfg = config_from_args(args)
+        if cfg is None:
+            return 2
+    if args.print_config:
+        from fedbus.node.config import to_toml
+
+        print(to_toml(cfg.to_dict()), end="")
+        return 0
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -80,9 +103,15 @@ def main(args: argparse.Namespace) -> int:
             return 2
     for w in caught:  # e.g. a partition that ran short of samples: one line each
         say(f"fedbus run: warning: {' '.join(str(w.message).split())}")
-    run_dir = Path(args.out) if args.out else default_run_dir(cfg.algorithm.name)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    if not args.resume:
+        run_dir = Path(args.out) if args.out else default_run_dir(cfg.algorithm.name)
+        try:
+            clear_out(run_dir, force=args.force)
+        except ValueError as err:
+            print(f"fedbus run: {err}", file=sys.stderr)
+            return 2
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     level = args.log_level or cfg.log.level
 
     if cfg.bus.broker:
@@ -128,16 +157,18 @@ def main(args: argparse.Namespace) -> int:
                                  *(["--curve", *keys] if keys else [])], method="exec")
         if fed.method == "fork":
             preload(cfg)
-        fed.spawn("server", ["server", "--broker", address, str(run_dir / "config.json"),
-                             "--out", str(run_dir), *keys])
+        where = ["--resume", str(run_dir)] if args.resume else \
+            [str(run_dir / "config.json"), "--out", str(run_dir)]
+        fed.spawn("server", ["server", "--broker", address, *where, *keys])
         for i, (ids, place) in enumerate(zip(groups, placements)):
             fed.spawn(f"node-{i}", ["node", "--broker", address, "--clients", format_ids(ids),
                                     "--device", place.device, "--name", f"node-{i}", *hb,
-                                    *keys],
+                                    "--state-dir", str(run_dir / "clients"), *keys],
                       env=place.env, essential=not args.keep_going)
         code = supervise(fed, run_dir, cfg, quiet=args.quiet, say=say, interrupted=interrupted)
     except KeyboardInterrupt:
-        say("fedbus run: interrupted, stopping every process")
+        say(f"fedbus run: interrupted, stopping every process; continue with "
+            f"`fedbus run --resume {run_dir}`")
         return 130
     finally:
         fed.stop()
@@ -145,6 +176,44 @@ def main(args: argparse.Namespace) -> int:
     if code == 0:
         say(f"next: fedbus plot {run_dir}   fedbus replay {run_dir}   fedbus log {run_dir}")
     return code
+
+
+def resumable(args: argparse.Namespace):
+    """(run directory, its config) for --resume; ValueError says why it cannot resume."""
+    from fedbus.launch.server_cmd import load_run_config
+    from fedbus.node.config import ConfigError
+
+    run_dir = Path(args.resume)
+    if args.config or args.overrides or args.out or args.force:
+        raise ValueError("--resume continues a run with its own config and directory; "
+                         "drop CONFIG, --set, --out and --force")
+    if not (run_dir / "config.json").is_file():
+        raise ValueError(f"{run_dir} holds no run (no config.json)")
+    if (run_dir / "summary.json").is_file():
+        raise ValueError(f"{run_dir} is complete (summary.json): nothing to resume")
+    if not (run_dir / "checkpoint.fbk").is_file():
+        raise ValueError(f"{run_dir} has no checkpoint: it stopped before its first round "
+                         f"closed; start it again with --out {run_dir} --force")
+    try:
+        return run_dir, load_run_config(run_dir / "config.json", [])
+    except (ConfigError, ValueError) as err:
+        raise ValueError(f"{run_dir / 'config.json'}: {err}") from None
+
+
+def clear_out(run_dir: Path, *, force: bool) -> None:
+    """Refuse an --out that already holds something (a run's files would be overwritten
+    and its metrics mixed with the new ones), unless --force and it holds a run: then it
+    is deleted. A folder that holds no run is never deleted."""
+    if not run_dir.exists() or not any(run_dir.iterdir()):
+        return
+    if not (run_dir / "config.json").is_file():
+        raise ValueError(f"--out {run_dir} is not empty and holds no run: choose another "
+                         f"--out")
+    if not force:
+        raise ValueError(f"--out {run_dir} already holds a run: continue it with "
+                         f"`fedbus run --resume {run_dir}`, or add --force to start it again "
+                         f"from scratch")
+    shutil.rmtree(run_dir)
 
 
 def catch_interrupt():

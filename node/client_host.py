@@ -26,12 +26,13 @@ from fedbus.algorithms.core.handlers import ClientHandler, LocalRun
 from fedbus.broker.log import get_logger
 from fedbus.broker.peer import Peer
 from fedbus.broker.wire import Message
+from fedbus.node.client_state import ClientStateStore
 from fedbus.node.config import Config, build_config
 from fedbus.node.engine import SERVER, client_address, client_index
-from fedbus.record.msglog import MessageLogWriter
+from fedbus.node.pool import ClientPool
 from fedbus.node.privacy.prototypes import protect
 from fedbus.node.validate import non_finite
-from fedbus.node.pool import ClientPool
+from fedbus.record.msglog import MessageLogWriter
 
 __all__ = ["ClientNode", "ClientPool", "node_threads", "run_task"]
 
@@ -44,7 +45,7 @@ class ClientNode:
                  memory_mb: float | None = None, threads: int | None = None,
                  evict_to: str | None = None, heartbeat_s: float = 1.0, liveness: int = 3,
                  spool_dir: str | Path | None = None, log_dir: str | Path | None = None,
-                 curve=None):
+                 state_dir: str | Path | None = None, curve=None):
         self.broker = broker
         self.curve = curve  # fedbus.broker.auth.PeerCurve, or None for plaintext
         self.clients = clients
@@ -59,6 +60,11 @@ class ClientNode:
         self.heartbeat_s, self.liveness = heartbeat_s, liveness
         self.spool_dir = Path(spool_dir) if spool_dir else None
         self.log_dir = Path(log_dir) if log_dir else None
+        # each client's state after each task (fedbus.node.client_state), for a resume
+        self.state_dir = Path(state_dir) if state_dir else None
+        self.states: ClientStateStore | None = None
+        self._unrestored: set[int] = set()  # saved clients not yet restored
+        self._resume_cutoff: int | None = None  # the first round seen after the restart
         self.pool: ClientPool | None = None
         self.msglog: MessageLogWriter | None = None
         self.peer: Peer | None = None
@@ -100,6 +106,12 @@ class ClientNode:
             params = resolved_params(server_cls, dict(cfg.algorithm))
             self.secure = SecureClient(server_cls.merge_rule(params), params,
                                        unit_weight=cfg.privacy.dp == "client")
+        if self.state_dir is not None:
+            self.states = ClientStateStore(self.state_dir, run_id)
+            self._unrestored = self.states.clients() & set(self.clients)
+            if self._unrestored:
+                log.info("client states found: restored as their clients are first sent "
+                         "work", clients=len(self._unrestored), path=str(self.states.path))
         if cfg.log.client_messages and self.log_dir is not None:
             self.msglog = MessageLogWriter(self.log_dir / f"messages-{self.name}")
         log.info("configured", run=run_id, algorithm=cfg.algorithm.name, device=str(self.device),
@@ -120,7 +132,10 @@ class ClientNode:
                 if self.msglog is not None:
                     self.msglog.write("in", time.time(), msg.frames)
                 if msg.kind == "shutdown":
-                    log.info("shutdown", reason=(msg.body or {}).get("reason"))
+                    reason = (msg.body or {}).get("reason")
+                    log.info("shutdown", reason=reason)
+                    if self.states is not None and reason == "run complete":
+                        self.states.discard(self.clients)
                     return 0
                 self.handle(msg)
         except KeyboardInterrupt:
@@ -171,7 +186,10 @@ class ClientNode:
             self._send("secagg", msg, self.secure.begin(msg.dst, body))  # before training
             self.secure.sessions[msg.dst]["drop"] = stage
         started = time.monotonic()
-        update, took = run_task(self.pool.get(client), body)
+        handler = self._handler(msg)
+        update, took = run_task(handler, body)
+        if self.states is not None:
+            self.states.save(client, msg.round, handler.state_dict())
         bad = non_finite(update["payload"])
         if bad:  # sent all the same: the server rejects it and ends this task at once
             log.warning("update not finite: the client's model diverged", client=client,
@@ -222,6 +240,25 @@ class ClientNode:
         else:
             log.warning("unknown secagg step: ignored", step=step, client=msg.dst)
 
+    def _handler(self, msg: Message) -> ClientHandler:
+        """The client's handler; on its first message after a restart, with the state it
+        saved after its last task of a round before the first round this node was sent
+        (fedbus.node.client_state: the server redoes the rounds from there)."""
+        client = client_index(msg.dst)
+        handler = self.pool.get(client)
+        if client in self._unrestored:
+            self._unrestored.discard(client)
+            if self._resume_cutoff is None:
+                self._resume_cutoff = msg.round
+            saved = self.states.newest_before(client, self._resume_cutoff)
+            if saved is not None:
+                handler.load_state_dict(self.states.load(client, saved))
+                log.info("client state restored", client=client, after_round=saved,
+                         resumed_at=self._resume_cutoff)
+        elif self._resume_cutoff is None and self.states is not None:
+            self._resume_cutoff = msg.round
+        return handler
+
     def send_due(self) -> float:
         """Send held-back updates whose time has come; seconds until the next."""
         while self.deferred and self.deferred[0][0] <= time.monotonic():
@@ -231,7 +268,7 @@ class ClientNode:
 
     def on_eval(self, msg: Message) -> None:
         body = msg.body
-        handler = self.pool.get(client_index(msg.dst))
+        handler = self._handler(msg)
         result: dict[str, Any] = {"eval": body["eval"], "version": body["version"],
                                   "metrics": handler.evaluate(body["payload"])}
         if body.get("embed"):

@@ -22,16 +22,16 @@ from fedbus.broker.log import get_logger
 from fedbus.broker.peer import Peer
 from fedbus.broker.wire import BROKER, Message, decode_body, encode_body
 from fedbus.models import describe_group
-from fedbus.node.privacy.budget import run_noise_seed, uses_secret_server_noise
 from fedbus.node.config import Config, ConfigError
 from fedbus.node.engine import (SERVER, Engine, Out, Refusal, client_address, client_index,
                                 count_params)
-from fedbus.record.msglog import MessageLogWriter
-from fedbus.record.rundir import RunDir, atomic_write, summarise
+from fedbus.node.privacy.budget import run_noise_seed, uses_secret_server_noise
 from fedbus.node.privacy.secure_round import privacy_refusal
 from fedbus.node.setup import (arch_builder, check_models, distinct_archs, federated_data,
                                make_model, pooled_train)
 from fedbus.node.validate import Rejected, check_eval_result, check_merged, check_update
+from fedbus.record.msglog import MessageLogWriter
+from fedbus.record.rundir import RunDir, atomic_write, summarise
 
 log = get_logger("fedbus.server")
 
@@ -341,6 +341,10 @@ class ServerNode:
         raw = ckpt.read_bytes()
         state = decode_body(raw, max_frame=max(len(raw), 1))
         self.engine.load_state_dict(state)
+        dropped = self.run.keep_through(self.engine.version)
+        if dropped:
+            log.info("records after the checkpoint dropped: their rounds run again",
+                     records=dropped, version=self.engine.version)
         self.started = time.time() - float(state.get("wall_s", 0.0))
         if self.msglog is not None:
             self.msglog.write("resume", time.time(), [b"", raw])

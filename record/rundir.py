@@ -63,6 +63,20 @@ class RunDir:
         self.records: list[dict[str, Any]] = read_metrics(self.path) if resume else []
         self._metrics = open(self.path / "metrics.jsonl", "a" if resume else "w")
 
+    def keep_through(self, version: int) -> int:
+        """On resume from a checkpoint at `version`: drop the records of later
+        aggregations (written after that checkpoint, before the stop; the resumed run writes
+        them again) so each round has one record. Returns how many were dropped."""
+        kept = [r for r in self.records if int(r.get("version", 0)) <= version]
+        dropped = len(self.records) - len(kept)
+        if dropped:
+            self._metrics.close()
+            atomic_write(self.path / "metrics.jsonl", "".join(
+                json.dumps(r, sort_keys=True) + "\n" for r in kept).encode())
+            self._metrics = open(self.path / "metrics.jsonl", "a")
+            self.records = kept
+        return dropped
+
     def write_config(self, cfg: dict[str, Any]) -> None:
         atomic_write(self.path / "config.json", json.dumps(cfg, indent=2).encode())
 
