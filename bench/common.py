@@ -13,16 +13,6 @@ from pathlib import Path
 from typing import Any
 
 
-def _toml(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml(x) for x in v) + "]"
-    return repr(v)
-
-
 def out_dir(out: str | None, name: str) -> Path:
     """A benchmark's folder for its run directories: --out (made if missing), or a fresh
     temporary folder fedbus-NAME-*."""
@@ -34,10 +24,9 @@ def out_dir(out: str | None, name: str) -> Path:
 
 
 def write_toml(path: Path, sections: dict[str, dict[str, Any]]) -> Path:
-    lines = []
-    for name, table in sections.items():
-        lines += [f"[{name}]"] + [f"{k} = {_toml(v)}" for k, v in table.items()] + [""]
-    path.write_text("\n".join(lines))
+    from fedbus.node.config import to_toml
+
+    path.write_text(to_toml(sections))
     return path
 
 

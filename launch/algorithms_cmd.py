@@ -348,14 +348,18 @@ def with_algorithm(described: str, block: list[str]) -> str:
 def help_config(args: argparse.Namespace) -> int:
     """`fedbus run [CONFIG] [--set ...] --help-config`: every [section] option, and the
     chosen algorithm's parameters under [algorithm]."""
-    from fedbus.node.config import describe_options
+    from fedbus.node.config import ConfigError, describe_options, load_config
 
+    config, overrides = getattr(args, "config", None), list(getattr(args, "overrides", []) or [])
     try:
-        name, source = chosen_algorithm(getattr(args, "config", None),
-                                        list(getattr(args, "overrides", []) or []))
+        name, source = chosen_algorithm(config, overrides)
         block = algorithm_block(name, source)
-    except ChoiceError as err:
+        resolved = load_config(config, overrides).to_dict()
+    except (ChoiceError, ConfigError) as err:
         print(f"fedbus: config error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
-    print(with_algorithm(describe_options(), block))
+    where = config or "the embedded default federation (launch/default.toml)"
+    print(f"# the values `fedbus run` uses with {where}"
+          f"{' and --set' if overrides else ''}; `--print-config` prints them as TOML")
+    print(with_algorithm(describe_options(resolved), block))
     return 0

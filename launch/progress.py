@@ -30,8 +30,9 @@ def status_line(st: dict[str, Any]) -> str:
     elapsed = st.get("elapsed_s", 0.0)
     eta = elapsed / done * (total - done) if done else None
     acc = st.get("proto_acc") if st.get("acc") is None else st.get("acc")
-    return (f"round {done}/{total}  live {st.get('live', 0)}  sampled {st.get('sampled', 0)}  "
-            f"pending {st.get('pending', 0)}  late {st.get('late', 0)}  acc {_fmt_acc(acc)}  "
+    return (f"{done}/{total} rounds done  live {st.get('live', 0)}  "
+            f"sampled {st.get('sampled', 0)}  pending {st.get('pending', 0)}  "
+            f"late {st.get('late', 0)}  acc {_fmt_acc(acc)}  "
             f"elapsed {elapsed:.0f}s" + (f"  eta {eta:.0f}s" if eta is not None else ""))
 
 
@@ -76,7 +77,9 @@ class Progress:
             return
         records = read_metrics(self.run_dir)
         for rec in records[self.seen:]:
-            print(f"round {rec['round'] + 1}/{self.rounds}  updates {rec['updates']}  "
+            # the round's number (0-based, as in every file), then the count done
+            print(f"round {rec['round']} ({rec['version']}/{self.rounds} done)  "
+                  f"updates {rec['updates']}  "
                   f"failed {rec['failed']}  acc {_fmt_acc(rec.get('acc_mean'))}  "
                   f"proto_acc {_fmt_acc(rec.get('proto_acc_mean'))}  "
                   f"wall {rec.get('wall_s', 0):.1f}s", file=sys.stderr, flush=True)
@@ -124,7 +127,7 @@ def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
         if f"{key}_mean" in final:
             table.add_row(f"{key} (mean ± std over clients)",
                           f"{100 * final[f'{key}_mean']:.2f} ± {100 * final[f'{key}_std']:.2f}",
-                          f"{100 * best[f'{key}_mean']:.2f} (round {best[f'{key}_round'] + 1})")
+                          f"{100 * best[f'{key}_mean']:.2f} (round {best[f'{key}_round']})")
     table.add_row("rounds completed", str(summary["rounds_completed"]), "")
     table.add_row("bytes up / down", f"{summary['bytes_up']:,} / {summary['bytes_down']:,}", "")
     table.add_row("params up / down", f"{summary['params_up']:,} / {summary['params_down']:,}",

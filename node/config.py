@@ -9,6 +9,9 @@ parameters the chosen algorithm declares (see fedbus.algorithms).
 from __future__ import annotations
 
 import copy
+import json
+import math
+import os
 import tomllib
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -201,7 +204,7 @@ SCHEMA: dict[str, dict[str, Opt]] = {
         "tensorboard": Opt(False, "server writes RUN/tensorboard/: scalars and participation "
                                   "per round (pip install 'fedbus[tensorboard]')"),
         "ffd_reference": Opt("", "run directory of a reference model (a `central` run; "
-                             "relative to the working directory): each evaluation records "
+                             "in a CONFIG file relative to its folder): each evaluation records "
                              "FFD, the MMD between the global model's and the reference's "
                              "features on every client's data (simulation only; "
                              "fedbus.analysis.ffd)"),
@@ -359,15 +362,75 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{source}: not valid TOML: {err}") from None
+    if path is not None:
+        raw = paths_from(raw, source.resolve().parent)
     return build_config(raw, overrides)
 
 
-def describe_options() -> str:
-    """Every option with its default, for `fedbus run --help-config`."""
+# Keys that name a file or folder, with the prefix their value may carry before it.
+PATH_KEYS = {("data", "dataset"): ("npz:", "digit5-offline:"), ("data", "partition"): ("file:",),
+             ("data", "data_dir"): ("",), ("log", "ffd_reference"): ("",),
+             ("bus", "keys_dir"): ("",)}
+
+
+def paths_from(raw: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """A CONFIG file's relative paths made absolute against the file's own folder, where
+    the file or folder they name is found there: a config then means the same from any
+    working directory, and the run's config.json (what replay reads) holds absolute paths.
+    A path found only relative to the working directory (the old reading) is left as it
+    is; --set values are not touched (relative to the working directory, as a shell's)."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    for (section, key), prefixes in PATH_KEYS.items():
+        table = out.get(section)
+        value = table.get(key) if isinstance(table, dict) else None
+        if not isinstance(value, str) or not value:
+            continue
+        prefix = next((x for x in prefixes if x and value.startswith(x)), "")
+        if prefix == "" and "" not in prefixes:
+            continue
+        rest = value[len(prefix):]
+        if not rest or Path(rest).expanduser().is_absolute():
+            continue
+        candidate = folder / Path(rest).expanduser()
+        if candidate.exists():
+            table[key] = prefix + os.path.normpath(candidate)
+    return out
+
+
+def describe_options(values: Mapping[str, Mapping[str, Any]] | None = None) -> str:
+    """Every option, for `fedbus run --help-config`: with `values` (a resolved config's
+    sections) the value a run would use, and the schema default beside it where the two
+    differ (a key a CONFIG leaves out gets the schema default; the embedded default
+    federation, launch/default.toml, sets some keys); without, the schema defaults."""
     lines = []
     for section, opts in SCHEMA.items():
         lines.append(f"[{section}]")
         for key, opt in opts.items():
             extra = f" (one of {', '.join(map(str, opt.choices))})" if opt.choices else ""
-            lines.append(f"  {key} = {opt.default!r}  # {opt.help}{extra}")
+            value = opt.default
+            if values is not None and key in values.get(section, {}):
+                value = values[section][key]
+            if value != opt.default:
+                extra += f" [left out of a CONFIG: {opt.default!r}]"
+            lines.append(f"  {key} = {value!r}  # {opt.help}{extra}")
     return "\n".join(lines)
+
+
+def to_toml(sections: Mapping[str, Mapping[str, Any]]) -> str:
+    """A config's sections as TOML text that load_config reads back to the same config
+    (strings, numbers, booleans and lists of them: the schema's value types)."""
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return json.dumps(v)  # a JSON string is a TOML basic string
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        if isinstance(v, float) and not math.isfinite(v):
+            return "inf" if v > 0 else ("-inf" if v < 0 else "nan")
+        return repr(v)
+
+    out = []
+    for name, table in sections.items():
+        out += [f"[{name}]", *(f"{k} = {value(v)}" for k, v in table.items()), ""]
+    return "\n".join(out)
