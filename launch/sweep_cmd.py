@@ -380,8 +380,9 @@ def outcome(job: Running, out: Path) -> str:
         return f"  done    {run.name} in {run.wall_s:.1f} s: {', '.join(accs) or 'no accuracy'}"
     run.status = "failed"
     run.note = f"exit {code}: {last_line(job.log)}"
-    return (f"  FAILED  {run.name} in {run.wall_s:.1f} s, {run.note} "
-            f"(log: {job.log}; the run's own logs: {out / run.name / 'logs'})")
+    own = out / run.name / "logs"
+    return (f"  FAILED  {run.name} in {run.wall_s:.1f} s, {run.note} (log: {job.log}"
+            + (f"; the run's own logs: {own})" if own.is_dir() else ")"))
 
 
 def execute(plan: Plan, out: Path, jobs: int, previous: dict[str, Any] | None, say) -> bool:

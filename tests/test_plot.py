@@ -327,3 +327,60 @@ def test_attention_matrix():
     assert grid[0, 0] == 0.25 and grid[2, 0] == 0.75 and grid[1, 2] == 1.0
     assert np.isnan(grid[:, 1]).all() and np.isnan(grid[3]).all()
     assert attention_matrix([{"round": 0}], clients=4)[1] == []
+
+
+# --- --group-by: one mean curve and band per group ------------------------------------
+
+def accs(run: Path, key: str = "acc_mean") -> dict[int, float]:
+    return {r["round"]: r[key] for r in map(json.loads, (run / "metrics.jsonl").open())}
+
+
+def test_group_by_draws_the_mean_and_min_max_of_each_group(tmp_path, capsys):
+    from fedbus.analysis.plots import group_curve, load_groups
+    runs = [fake_run(tmp_path / f"{alg}-s{s}", algorithm=alg, seed=s, rounds=4 + s)
+            for alg in ("fedavg", "fedproto") for s in (0, 1)]
+    groups, notes = load_groups(runs, ["algorithm.name"])
+    assert list(groups) == ["fedavg", "fedproto"] and not notes
+    curve = group_curve(groups["fedproto"], "proto_acc")
+    a, b = accs(runs[2], "proto_acc_mean"), accs(runs[3], "proto_acc_mean")
+    assert curve.rounds.tolist() == [0, 1, 2, 3]  # round 4: seed 1's run only
+    assert curve.partial_rounds == [4]
+    assert curve.mean.tolist() == pytest.approx([(a[r] + b[r]) / 2 for r in range(4)])
+    assert curve.low.tolist() == pytest.approx([min(a[r], b[r]) for r in range(4)])
+    assert curve.high.tolist() == pytest.approx([max(a[r], b[r]) for r in range(4)])
+    out = tmp_path / "figs"
+    assert fedbus(["plot", "--group-by", "algorithm.name", *map(str, runs),
+                   "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["accuracy-round.png",
+                                                     "accuracy-time.png"]
+    for name in ("accuracy-round.png", "accuracy-time.png"):
+        assert_real_png(out / name)
+    err = capsys.readouterr().err
+    assert "fedproto: proto_acc at round(s) 4 is in only some of its 2 runs" in err
+
+
+def test_group_by_reads_a_sweep_directory_and_lists_its_missing_runs(tmp_path, capsys):
+    sweep = tmp_path / "cmp"
+    for alg in ("fedavg", "fedproto"):
+        fake_run(sweep / f"{alg}-s0", algorithm=alg)
+    fake_run(sweep / "fedproto-s1", algorithm="fedproto", seed=1, finished=False)
+    names = ["fedavg-s0", "fedproto-s0", "fedproto-s1", "fedavg-s1"]  # the last never ran
+    (sweep / "sweep.json").write_text(json.dumps({
+        "grid": {"algorithm.name": ["fedavg", "fedproto"]},
+        "runs": [{"name": n, "status": "failed" if n == "fedavg-s1" else "complete"}
+                 for n in names]}))
+    assert fedbus(["plot", "--group-by", "algorithm.name", str(sweep)]) == 0
+    assert sorted(p.name for p in (sweep / "plots").iterdir()) == ["accuracy-round.png",
+                                                                   "accuracy-time.png"]
+    err = capsys.readouterr().err
+    assert "fedavg-s1: not run (sweep status: failed), not drawn" in err
+    assert "fedproto-s1: unfinished: no summary.json (stopped, or still running), drawn " \
+        "as far as it goes" in err
+
+
+def test_group_by_refuses_labels_and_unknown_keys(tmp_path, capsys):
+    run = fake_run(tmp_path / "r")
+    assert fedbus(["plot", "--group-by", "algorithm.name", "--label", "x", str(run)]) == 2
+    assert "--label names runs" in capsys.readouterr().err
+    assert fedbus(["plot", "--group-by", "algorithm.nme", str(run)]) == 2
+    assert "--group-by algorithm.nme: no run's config.json has it" in capsys.readouterr().err
