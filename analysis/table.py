@@ -365,16 +365,16 @@ def build_table(runs: list[Run], group_by: list[str], metrics: list[str], *,
     the same values of the other keys."""
     if not runs:
         raise TableError("no runs given")
-    for key in group_by:
-        check_key(runs, key, "--group-by")
-    if pair_by in group_by:
-        raise TableError(f"--pair-by {pair_by} is also a --group-by key: runs are paired "
-                         "across groups by it")
     complete = [r for r in runs if r.complete]
     excluded = [(r, r.problem) for r in runs if not r.complete]
     if not complete:
         raise TableError(f"none of the {len(runs)} run(s) is complete: "
                          + "; ".join(f"{r.path}: {why}" for r, why in excluded[:5]))
+    for key in group_by:
+        check_key(runs, key, "--group-by")
+    if pair_by in group_by:
+        raise TableError(f"--pair-by {pair_by} is also a --group-by key: runs are paired "
+                         "across groups by it")
     metrics = metrics or default_metrics(complete)
     if not metrics:
         raise TableError("no run's summary.json has an accuracy; name a metric with --metric "

@@ -492,6 +492,7 @@ def main(args: argparse.Namespace) -> int:
         return 130
     first = next(iter(plan.grid), None)
     hint = f" --baseline {plan.grid[first][0]}" if first and len(plan.seeds) > 1 else ""
-    print(f"next: fedbus table {out}{hint}   fedbus plot --group-by "
-          f"{first or 'algorithm.name'} {out}")
+    if counts["complete"]:
+        print(f"next: fedbus table {out}{hint}   fedbus plot --group-by "
+              f"{first or 'algorithm.name'} {out}")
     return 1 if counts["failed"] else 0

@@ -216,6 +216,25 @@ def test_bad_sweep_arguments_are_one_line_and_exit_2(tmp_path, argv, says):
     assert not (tmp_path / "o").exists()  # nothing started, nothing written
 
 
+def test_a_failed_run_is_reported_with_its_cause_and_the_sweep_exits_1(tmp_path):
+    cfg = write_config(tmp_path / "tiny.toml", TINY)
+    out = tmp_path / "o"
+    code, stdout, stderr = call(["sweep", str(cfg), "--set", "data.dataset=npz:/no/such.npz",
+                                 "--grid", "algorithm.name=fedavg,fedproto", "--out",
+                                 str(out), "--jobs", "2"])
+    assert code == 1, stderr
+    for name in ("fedavg-s0", "fedproto-s0"):
+        assert f"FAILED  {name}" in stdout
+    assert "exit 2: fedbus run: data.dataset = 'npz:/no/such.npz'" in stdout
+    assert "0 complete (0 skipped), 2 failed" in stdout and "next:" not in stdout
+    record = json.loads((out / "sweep.json").read_text())
+    assert [r["status"] for r in record["runs"]] == ["failed", "failed"]
+    assert "npz dataset not found" in record["runs"][0]["note"]
+    code, _, stderr = call(["table", str(out)])
+    assert code == 2 and "none of the 2 run(s) is complete" in stderr
+    assert "not run (sweep status: failed)" in stderr
+
+
 def test_bad_table_arguments_are_one_line_and_exit_2(sweep, tmp_path):
     _, out, _ = sweep
     for argv, says in ((["--group-by", "algorithm.nme"],
