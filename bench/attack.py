@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from fedbus.bench.common import write_toml
+from fedbus.node.lifetime import fedbus_command
 
 HB = ("--heartbeat-s", "0.5", "--liveness", "6")
 EVIL = "evil"
@@ -231,7 +232,7 @@ class Federation:
     def _start(self, name: str, *args: str) -> None:
         log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 (the process owns it)
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "fedbus.launch", *args], stdout=log,
+            fedbus_command(*args), stdout=log,
             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     def log(self, name: str) -> str:

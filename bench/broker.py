@@ -36,6 +36,8 @@ import sys
 import tempfile
 import time
 
+from fedbus.node.lifetime import fedbus_command, python_module
+
 CASES = {
     "20KiB": "20 KiB body (10x512 float32 prototypes)",
     "200B": "200 B body",
@@ -142,7 +144,7 @@ def _keys_dir(tmp: str, path: str) -> list[str]:
 
 
 def _spawn(*argv: str, stdin=None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "fedbus.bench.broker", "_worker", *argv]
+    cmd = python_module("fedbus.bench.broker", "_worker", *argv)
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=stdin, text=True)
 
 
@@ -163,9 +165,9 @@ def _run_case(path: str, case: str, seconds: float, transport: str, tmp: str) ->
             mid = subprocess.Popen(
                 # the routing cost is measured, not the per-node rate limits (PROTOCOL §11),
                 # which would cap one sender at 20,000 messages a second
-                [sys.executable, "-m", "fedbus.launch", "broker", "--bind", front,
-                 "--log-level", "warning", "--peer-msg-rate", "0", "--peer-mb-rate", "0",
-                 *(["--curve", "--keys-dir", keys[0]] if keys else [])],
+                fedbus_command("broker", "--bind", front, "--log-level", "warning",
+                               "--peer-msg-rate", "0", "--peer-mb-rate", "0",
+                               *(["--curve", "--keys-dir", keys[0]] if keys else [])),
                 stdin=subprocess.DEVNULL)
             recv_ep = send_ep = front
         else:

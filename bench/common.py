@@ -5,12 +5,13 @@ import json
 import math
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from fedbus.node.lifetime import fedbus_command
 
 
 def out_dir(out: str | None, name: str) -> Path:
@@ -100,8 +101,8 @@ def run(sections: dict[str, dict[str, Any]], name: str, *, out: Path | None = No
     out = out or Path(tempfile.mkdtemp(prefix="fedbus-bench-"))
     cfg = write_toml(out / f"{name}.toml", sections)
     run_dir = out / name
-    return watch([sys.executable, "-m", "fedbus.launch", "run", str(cfg), "--out",
-                  str(run_dir), "--quiet", "--log-level", "warning"], name, run_dir,
+    return watch(fedbus_command("run", str(cfg), "--out", str(run_dir), "--quiet",
+                                "--log-level", "warning"), name, run_dir,
                  timeout=timeout, what="fedbus run")
 
 

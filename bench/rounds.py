@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from fedbus.bench.common import Finished, run, watch, write_toml
+from fedbus.node.lifetime import python_module
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -160,8 +161,8 @@ def main_args(args: argparse.Namespace) -> int:
     if args.relays:
         name = f"rounds-{args.clients}-{args.payload}-relays{args.relays}"
         cfg = write_toml(out / f"{name}.toml", config(args, dataset))
-        tree = watch([sys.executable, "-m", "fedbus.bench.rounds", str(cfg), "--out",
-                      str(out / name), "--relays", str(args.relays)], name, out / name,
+        tree = watch(python_module("fedbus.bench.rounds", str(cfg), "--out",
+                                   str(out / name), "--relays", str(args.relays)), name, out / name,
                      timeout=3600, what="the relays' launcher")
         figures["relays"] = compare_relays(res, tree, args.relays,
                                            min(args.nodes, args.clients))

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Protocol
 
 # die_with_parent lives in node (a relay's site broker uses it too); re-exported here
-from fedbus.node.lifetime import die_with_parent
+from fedbus.node.lifetime import die_with_parent, fedbus_command
 
 
 def start_method(asked: str, devices: list[str]) -> str:
@@ -168,7 +168,7 @@ class Federation:
         if (method or self.method) == "fork":
             proc: Process = Forked(argv, log, env or {}, name)
         else:
-            proc = subprocess.Popen([sys.executable, "-m", "fedbus.launch", *argv],
+            proc = subprocess.Popen(fedbus_command(*argv),
                                     stdin=subprocess.DEVNULL, stdout=open(log, "ab"),
                                     stderr=subprocess.STDOUT,
                                     env={**os.environ, **(env or {})},

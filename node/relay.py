@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import queue
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -434,11 +433,10 @@ def spawn_site_broker(bind: str, *, heartbeat_s: float, liveness: int, max_frame
                       keys_dir: str | None, insecure: bool, log_file: str | None
                       ) -> subprocess.Popen:
     """The site's broker as a child process (`fedbus broker`), which dies with the relay."""
-    from fedbus.node.lifetime import die_with_parent
+    from fedbus.node.lifetime import die_with_parent, fedbus_command
 
-    cmd = [sys.executable, "-m", "fedbus.launch", "broker", "--bind", bind,
-           "--heartbeat-s", str(heartbeat_s), "--liveness", str(liveness),
-           "--max-frame-mb", str(max_frame_mb)]
+    cmd = fedbus_command("broker", "--bind", bind, "--heartbeat-s", str(heartbeat_s),
+                         "--liveness", str(liveness), "--max-frame-mb", str(max_frame_mb))
     if keys_dir:
         cmd += ["--curve", "--keys-dir", keys_dir]
     elif insecure:

@@ -56,3 +56,22 @@ def test_children_die_with_a_killed_launcher(tmp_path):
     proc.kill()
     proc.wait(timeout=10)
     _all_gone(children)
+
+
+def test_started_processes_ignore_a_look_alike_package_in_the_working_directory(tmp_path):
+    """A folder in the working directory named like fedbus (or a plugin's package) shadows
+    the installed one under a plain `python -m`; the command the launcher, relays and
+    benchmarks start their processes with (node.lifetime.fedbus_command) does not see it."""
+    from fedbus.node.lifetime import fedbus_command
+
+    fake = tmp_path / "fedbus" / "launch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "__main__.py").write_text("print('SHADOWED')\n")
+    plain = subprocess.run([sys.executable, "-m", "fedbus.launch", "--version"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120)
+    assert plain.stdout.strip() == "SHADOWED"  # the hazard is real
+    safe = subprocess.run(fedbus_command("--version"), cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert safe.returncode == 0 and "SHADOWED" not in safe.stdout
+    assert safe.stdout.startswith("fedbus "), safe.stdout
