@@ -34,6 +34,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="continue the stopped run in RUN from its last checkpoint: broker, "
                    "server and nodes start again and every client continues from the state "
                    "it saved (no CONFIG or --set: the run keeps its own config)")
+    p.add_argument("--no-client-state", action="store_true",
+                   help="nodes save no client state (by default each client's state after "
+                   "each task, two per client, in RUN/clients/: mind the disk for large "
+                   "models and many clients); a --resume then restarts every client from "
+                   "its initial state")
     p.add_argument("--force", action="store_true",
                    help="start the run in --out again from scratch, deleting the run there")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
@@ -157,13 +162,14 @@ def main(args: argparse.Namespace) -> int:
                                  *(["--curve", *keys] if keys else [])], method="exec")
         if fed.method == "fork":
             preload(cfg)
+        state_dir = "none" if args.no_client_state else str(run_dir / "clients")
         where = ["--resume", str(run_dir)] if args.resume else \
             [str(run_dir / "config.json"), "--out", str(run_dir)]
         fed.spawn("server", ["server", "--broker", address, *where, *keys])
         for i, (ids, place) in enumerate(zip(groups, placements)):
             fed.spawn(f"node-{i}", ["node", "--broker", address, "--clients", format_ids(ids),
                                     "--device", place.device, "--name", f"node-{i}", *hb,
-                                    "--state-dir", str(run_dir / "clients"), *keys],
+                                    "--state-dir", state_dir, *keys],
                       env=place.env, essential=not args.keep_going)
         code = supervise(fed, run_dir, cfg, quiet=args.quiet, say=say, interrupted=interrupted)
     except KeyboardInterrupt:
@@ -195,9 +201,14 @@ def resumable(args: argparse.Namespace):
         raise ValueError(f"{run_dir} has no checkpoint: it stopped before its first round "
                          f"closed; start it again with --out {run_dir} --force")
     try:
-        return run_dir, load_run_config(run_dir / "config.json", [])
+        cfg = load_run_config(run_dir / "config.json", [])
     except (ConfigError, ValueError) as err:
         raise ValueError(f"{run_dir / 'config.json'}: {err}") from None
+    if not args.no_client_state and not any((run_dir / "clients").glob("*/client-*.pt")):
+        print(f"fedbus run: warning: {run_dir} holds no client states (started with "
+              f"--no-client-state, or stopped before any task): every client starts again "
+              f"from its initial state", file=sys.stderr)
+    return run_dir, cfg
 
 
 def clear_out(run_dir: Path, *, force: bool) -> None:

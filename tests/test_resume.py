@@ -175,3 +175,23 @@ def test_the_store_keeps_the_newest_states_and_finds_the_one_before_a_round(tmp_
     assert not (tmp_path / "run1").exists()
     with pytest.raises(ValueError, match="cannot name a folder"):
         ClientStateStore(tmp_path, "../escape")
+
+
+def test_without_client_state_a_resume_says_the_clients_start_again(tmp_path):
+    cfg = _config(tmp_path, "fedproto")
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "fedbus.launch", "run", str(cfg), "--out",
+                             str(run_dir), "--quiet", "--no-client-state"], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: (run_dir / "metrics.jsonl").exists() and
+                   len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 2,
+                   240, "two rounds recorded", interval=0.02)
+        assert _saved_rounds(run_dir) == []  # the nodes saved nothing
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    out = fedbus("run", "--resume", str(run_dir), "--quiet")
+    assert "holds no client states" in out.stderr
+    assert "every client starts again from its initial state" in out.stderr
+    assert [r["round"] for r in metrics(run_dir)] == list(range(ROUNDS))
