@@ -1,0 +1,226 @@
+"""`fedbus log`: the per-message payload summaries, read from real message logs of real
+federations (broker, server and node processes, training on scikit-learn's digits), and
+checked against the logged bodies themselves; `--json` parsed line by line; rounds and
+clients the run does not have are errors naming the valid range.
+
+(The round-outcome lines and the filters on a killed node's run are in test_replay.py.)"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import numpy as np
+import pytest
+from helpers import SMALL, fedbus, merged, run_federation
+
+from fedbus.broker.wire import decode
+from fedbus.record.msglog import read_log
+
+# FedProto, sync: prototypes and class counts up, global prototypes down.
+PROTO = merged(SMALL, federation={"clients": 4, "rounds": 2}, algorithm={"name": "fedproto"})
+
+# FedAvg with partial work (F' ~ U[0, F]): weight deltas up, weights down, every task
+# asks for fewer epochs than F.
+PARTIAL = merged(SMALL, federation={"clients": 3, "rounds": 2}, train={"epochs": 2},
+                 system={"partial_work": True})
+
+
+@pytest.fixture(scope="module")
+def proto_run(tmp_path_factory):
+    run, _ = run_federation(tmp_path_factory.mktemp("proto"), PROTO)
+    return run
+
+
+@pytest.fixture(scope="module")
+def partial_run(tmp_path_factory):
+    run, _ = run_federation(tmp_path_factory.mktemp("partial"), PARTIAL)
+    return run
+
+
+def log(run, *args: str, check: bool = True):
+    return fedbus("log", str(run), *args, check=check)
+
+
+def json_lines(run, *args: str) -> list[dict]:
+    proc = log(run, "--json", *args)
+    return [json.loads(line) for line in proc.stdout.splitlines()]  # every line, or it fails
+
+
+def bodies(run) -> dict[int, object]:
+    """Each logged message's decoded body, by record index: the truth to check against."""
+    return {r.index: decode(r.frames).body for r in read_log(run)
+            if r.direction in ("in", "out")}
+
+
+def index(run) -> list[dict]:
+    return [json.loads(line) for line in (run / "messages.jsonl").read_text().splitlines()]
+
+
+def kind(line: str) -> str:
+    """The kind column of a text line (a round outcome line has none)."""
+    fields = line.split()
+    return fields[2] if len(fields) > 2 and fields[1] in ("<-", "->", "x-", "..") else ""
+
+
+def norms(protos: np.ndarray, present: np.ndarray) -> np.ndarray:
+    return np.linalg.norm(protos[present].astype(np.float64), axis=1)
+
+
+# --- --json: pure JSON lines, the index with a summary ---
+
+def test_json_is_json_lines_only_the_index_lines_with_a_summary_then_the_outcomes(proto_run):
+    lines = json_lines(proto_run)
+    messages = [ln for ln in lines if "kind" in ln]
+    outcomes = [ln["outcome"] for ln in lines if "outcome" in ln]
+    assert len(messages) + len(outcomes) == len(lines)
+    assert [{k: v for k, v in m.items() if k != "summary"} for m in messages] == index(proto_run)
+    assert all(isinstance(m["summary"], dict) for m in messages)
+    assert [o["round"] for o in outcomes] == [0, 1]
+    assert all(o["sampled"] == o["answered"] == [0, 1, 2, 3] and o["failures"] == {}
+               for o in outcomes)
+    one = json_lines(proto_run, "--round", "1", "--client", "2")
+    assert one[-1] == {"outcome": {"round": 1, "client": 2, "state": "answered"}}
+    assert all(m["round"] == 1 and "c2" in (m["src"], m["dst"]) for m in one[:-1])
+
+
+# --- the summaries say what the bodies hold ---
+
+def test_update_summaries_are_the_work_counts_and_prototype_norms_sent(proto_run):
+    truth = bodies(proto_run)
+    updates = [m for m in json_lines(proto_run, "--kind", "update") if "kind" in m]
+    assert len(updates) == 2 * 4
+    for m in updates:
+        body, s = truth[m["i"]], m["summary"]
+        assert s["task"] == body["task"] and s["num_samples"] == body["num_samples"]
+        assert s["work"] == body["work"]
+        counts, protos = body["payload"]["counts"], body["payload"]["protos"]
+        present = counts > 0
+        assert s["payload"]["counts"]["by_class"] == {str(c): int(counts[c])
+                                                      for c in np.flatnonzero(present)}
+        assert s["payload"]["counts"]["total"] == int(counts.sum())
+        p = s["payload"]["protos"]
+        assert (p["classes"], p["of"], p["dim"]) == (int(present.sum()), 10, protos.shape[1])
+        assert p["norm_mean"] == pytest.approx(norms(protos, present).mean(), rel=1e-12)
+        assert p["norm_max"] == pytest.approx(norms(protos, present).max(), rel=1e-12)
+
+
+def test_task_eval_and_eval_result_summaries(proto_run):
+    truth = bodies(proto_run)
+    lines = json_lines(proto_run, "--kind", "task", "--kind", "eval", "--kind", "eval_result")
+    for m in lines:
+        if "kind" not in m:
+            continue
+        body, s = truth[m["i"]], m["summary"]
+        if m["kind"] == "task":
+            assert (s["task"], s["version"], s["epochs"]) == \
+                (body["task"], body["version"], body["epochs"])
+            has = body["payload"]["has"]
+            assert s["payload"]["protos"]["classes"] == int(has.sum())
+            assert s["payload"]["has"] == {"classes": int(has.sum()), "of": 10}
+        elif m["kind"] == "eval":
+            assert (s["eval"], s["version"]) == (body["eval"], body["version"])
+        else:
+            assert s["metrics"] == {k: v for k, v in body["metrics"].items()}
+            assert {"acc", "proto_acc", "loss", "num_test"} <= set(s["metrics"])
+
+
+def test_text_lines_summarise_each_kind(proto_run):
+    truth = bodies(proto_run)
+    entries = {e["i"]: e for e in index(proto_run)}
+    proc = log(proto_run, "--round", "1", "--client", "2")
+    by_kind = {}
+    for ln in proc.stdout.splitlines():
+        if kind(ln):
+            by_kind.setdefault(kind(ln), []).append(ln)
+    assert set(by_kind) == {"task", "update", "eval", "eval_result"}, proc.stdout
+
+    update = by_kind["update"][0]
+    i = next(e["i"] for e in entries.values() if e["kind"] == "update" and e["src"] == "c2"
+             and e["round"] == 1)
+    body = truth[i]
+    w, counts = body["work"], body["payload"]["counts"]
+    summary = update.split(f"seq {entries[i]['seq']}", 1)[1].strip()
+    assert summary.startswith(
+        f"task {body['task']}: {w['epochs_done']:g}/{w['epochs_asked']} epochs, "
+        f"{w['steps']} steps, {w['samples']} samples seen (train set {body['num_samples']})"
+        f" | protos {int((counts > 0).sum())}/10 classes, mean |v| "), update
+    assert summary.endswith(" | counts " + " ".join(f"{c}:{counts[c]}"
+                                                   for c in np.flatnonzero(counts))), update
+
+    result = by_kind["eval_result"][0]
+    metrics = next(truth[e["i"]]["metrics"] for e in entries.values()
+                   if e["kind"] == "eval_result" and e["src"] == "c2" and e["round"] == 1)
+    assert f"acc {metrics['acc']:.3g}" in result and f"({metrics['num_test']} test)" in result
+    assert re.search(r"task \d+ v1: epochs 1 \| protos \d+/10 classes", by_kind["task"][0])
+
+
+def test_weight_deltas_and_partial_work(partial_run):
+    truth = bodies(partial_run)
+    lines = [m for m in json_lines(partial_run, "--kind", "task", "--kind", "update")
+             if "kind" in m]
+    tasks = [m for m in lines if m["kind"] == "task"]
+    updates = [m for m in lines if m["kind"] == "update"]
+    assert len(tasks) == len(updates) == 2 * 3
+    for m in tasks:
+        body, s = truth[m["i"]], m["summary"]
+        assert s["epochs_to_run"] == body["sim"]["epochs_to_run"] < body["epochs"] == 2
+        weights = body["payload"]["weights"]
+        assert s["payload"]["weights"]["params"] == sum(a.size for a in weights.values())
+    for m in updates:
+        body, s = truth[m["i"]], m["summary"]
+        assert s["work"]["stopped"] == "partial"
+        delta = body["payload"]["delta"]
+        floats = [a for a in delta.values() if a.dtype.kind == "f"]
+        norm = np.sqrt(sum(np.sum(a.astype(np.float64) ** 2) for a in floats))
+        assert s["payload"]["delta"]["norm"] == pytest.approx(norm, rel=1e-9)
+        assert s["payload"]["delta"]["tensors"] == len(delta)
+    text = log(partial_run, "--kind", "task", "--kind", "update", "--round", "0").stdout
+    assert all(re.search(r"epochs 2, runs [\d.]+ of them \| weights \|w\| [\d.]+ \([\d,]+ "
+                         r"params\)$", ln) for ln in text.splitlines() if kind(ln) == "task"), text
+    assert all(re.search(r"stopped: partial \| delta \|d\| [\d.e-]+ \([\d,]+ params\)$", ln)
+               for ln in text.splitlines() if kind(ln) == "update"), text
+
+
+# --- only what is shown is read ---
+
+def test_only_the_records_shown_are_read(proto_run, tmp_path):
+    """A damaged record of round 0 is named on its own line when round 0 is shown, and
+    never read when only round 1 is: the summaries come from the shown records alone."""
+    run = tmp_path / "run"
+    shutil.copytree(proto_run, run, ignore=shutil.ignore_patterns("logs", "*.sock"))
+    damaged = next(e for e in index(run) if e["kind"] == "update" and e["round"] == 0)
+    data = bytearray((run / "messages.bin").read_bytes())
+    data[damaged["off"] + 8 + 100] ^= 0xFF  # inside the payload: the checksum fails
+    (run / "messages.bin").write_bytes(bytes(data))
+
+    later = log(run, "--round", "1")
+    assert "unreadable" not in later.stdout and not later.stderr
+    shown = log(run, "--round", "0", "--kind", "update").stdout.splitlines()
+    bad = [ln for ln in shown if "unreadable" in ln]
+    assert len(bad) == 1 and f" seq {damaged['seq']} " in bad[0], shown
+    assert (f"record {damaged['i']} at offset {damaged['off']}: cut short or checksum "
+            "mismatch") in bad[0]
+    assert sum("samples seen" in ln for ln in shown) == 3
+
+
+# --- rounds, clients and kinds the run does not have ---
+
+@pytest.mark.parametrize("args, says", [
+    (("--round", "7"), "--round 7: the log holds rounds 0-1"),
+    (("--round", "-1"), "--round -1: the log holds rounds 0-1"),
+    (("--client", "4"), "--client 4: this run has clients 0-3"),
+    (("--round", "0", "--client", "9"), "--client 9: this run has clients 0-3"),
+])
+def test_a_round_or_client_the_run_does_not_have_is_an_error_naming_the_range(
+        proto_run, args, says):
+    proc = log(proto_run, *args, check=False)
+    assert proc.returncode == 2 and not proc.stdout
+    assert proc.stderr == f"fedbus log: {says}\n"
+
+
+def test_the_shutdown_round_shows_the_shutdown_and_unknown_kinds_are_refused(proto_run):
+    lines = log(proto_run, "--round", "2").stdout.splitlines()  # 2 rounds: shutdown is r2
+    assert len(lines) == 1 and " shutdown " in lines[0] and lines[0].endswith("run complete")
+    proc = log(proto_run, "--kind", "updates", check=False)
+    assert proc.returncode == 2 and "invalid choice: 'updates'" in proc.stderr
