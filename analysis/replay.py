@@ -8,7 +8,13 @@ whatever the log says it was, so async and straggler runs replay exactly.
 
 Client replay: one client is rebuilt from the config (partition, model,
 seed) and fed every task and eval request it was sent, in order; its update
-for the chosen round is compared with the one it sent.
+for the chosen round is compared with the one it sent. Under secure aggregation
+the update travelled masked (only the round's sum can be unmasked), so its
+payload cannot be compared: the replay compares its work record and returns
+the recomputed update for the caller to show.
+
+Rounds are 0-based, as on the wire and in metrics.jsonl: round 0 is the first
+aggregation; `until_round=R` replays rounds 0 to R, both included.
 """
 from __future__ import annotations
 
@@ -39,6 +45,22 @@ def load_run(run_dir: str | Path) -> tuple[Config, str]:
             from None
     run_id_path = run_dir / "run_id"
     return build_config(raw), run_id_path.read_text().strip() if run_id_path.exists() else ""
+
+
+class NoMessageLog(FileNotFoundError):
+    """The run directory holds no message log: the message says why (log.messages off)."""
+
+
+def require_message_log(run_dir: str | Path, cfg: Config) -> None:
+    """Raise NoMessageLog, saying why, if the run kept no message log to replay."""
+    run_dir = Path(run_dir)
+    if (run_dir / "messages.bin").exists():
+        return
+    if not cfg.log.messages:
+        raise NoMessageLog(f"{run_dir} ran with log.messages = false: it kept no message log, "
+                           "so there is nothing to replay (log.messages = true, the default, "
+                           "keeps one)")
+    raise NoMessageLog(f"{run_dir} has no messages.bin: its message log is missing")
 
 
 @dataclass
@@ -111,8 +133,11 @@ def _compare(out: Out, rec: Record, logged: Message) -> Divergence | None:
 
 
 def replay_server(run_dir: str | Path, *, until_round: int | None = None) -> ReplayResult:
+    """Replay the server through round `until_round` (0-based, included), else the whole
+    log."""
     torch.set_num_threads(1)
     cfg, run_id = load_run(run_dir)
+    require_message_log(run_dir, cfg)
     engine = build_engine(cfg, run_id)
     secret_noise = uses_secret_server_noise(cfg.privacy)
     if secret_noise:
@@ -122,7 +147,9 @@ def replay_server(run_dir: str | Path, *, until_round: int | None = None) -> Rep
     pending: list[Out] = []
     count = 0
     for rec in records:
-        if until_round is not None and engine.version >= until_round and not pending:
+        # round R's aggregation makes version R + 1; its outputs (evaluations, the next
+        # round's tasks) are checked before stopping
+        if until_round is not None and engine.version > until_round and not pending:
             break
         count += 1
         if rec.direction == "out":
@@ -185,13 +212,26 @@ def take_refused(engine: Engine, rec: Record) -> list[Out]:
 
 # --- one client ---
 
+WORK_DONE = ("epochs_asked", "epochs_done", "steps", "samples")
+
+
 @dataclass
 class ClientReplay:
     client: int
     round: int
     task: int
-    identical: bool
-    max_abs_diff: dict[str, float]
+    identical: bool  # the recomputed payload's bytes are the logged one's (False if masked)
+    max_abs_diff: dict[str, float]  # per array; inf: missing from the log or shaped otherwise
+    update: dict[str, Any]  # the recomputed update body, decoded as the server would have
+    logged_work: dict[str, Any]  # the work record the client sent
+    masked: bool = False  # secure aggregation: the logged payload is masked, not compared
+
+    @property
+    def work_identical(self) -> bool:
+        """The work done matches the logged record's (its "stopped" aside: a replay of a
+        task the time budget cut runs the logged steps as partial work, _as_logged)."""
+        mine = self.update.get("work") or {}
+        return all(mine.get(k) == self.logged_work.get(k) for k in WORK_DONE)
 
 
 def _arrays(value: Any, path: str = "payload") -> Iterator[tuple[str, np.ndarray]]:
@@ -226,6 +266,7 @@ def replay_client(run_dir: str | Path, client: int, round_: int) -> ClientReplay
     from fedbus.node.client_host import ClientPool, node_threads, run_task
 
     cfg, _ = load_run(run_dir)
+    require_message_log(run_dir, cfg)
     torch.set_num_threads(node_threads(cfg))  # as the live node did (on this machine)
     max_frame = max(int(cfg.bus.max_frame_mb) << 20, DEFAULT_MAX_FRAME)
     address = client_address(client)
@@ -256,10 +297,14 @@ def replay_client(run_dir: str | Path, client: int, round_: int) -> ClientReplay
         if logged is None:
             raise LookupError(f"c{client} never answered its round-{round_} task "
                               f"{m.body['task']} (dropped, late past the log, or dead)")
-        mine_body = decode_body(encode_body(mine["payload"]))
+        update = decode_body(encode_body(mine))
+        work = dict(logged.body.get("work") or {})
+        if "masked" in logged.body["payload"]:  # secure aggregation: the upload was masked
+            return ClientReplay(client, round_, int(m.body["task"]), False, {}, update, work,
+                                masked=True)
         theirs = dict(_arrays(logged.body["payload"]))
         diffs = {}
-        for path, arr in _arrays(mine_body):
+        for path, arr in _arrays(update["payload"]):
             other = theirs.get(path)
             if other is None or other.shape != arr.shape:
                 diffs[path] = float("inf")
@@ -267,5 +312,5 @@ def replay_client(run_dir: str | Path, client: int, round_: int) -> ClientReplay
                 diffs[path] = float(np.max(np.abs(arr.astype(np.float64) -
                                                   other.astype(np.float64)), initial=0.0))
         identical = encode_body(mine["payload"]) == encode_body(logged.body["payload"])
-        return ClientReplay(client, round_, int(m.body["task"]), identical, diffs)
+        return ClientReplay(client, round_, int(m.body["task"]), identical, diffs, update, work)
     raise LookupError(f"the log has no task for c{client} in round {round_}")

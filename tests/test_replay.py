@@ -14,6 +14,7 @@ import time
 import zlib
 
 import msgpack
+import numpy as np
 import pytest
 from helpers import (SMALL, Processes, fedbus, free_port, merged, metrics, run_federation,
                      wait_until, write_config)
@@ -295,38 +296,170 @@ def test_one_fedavg_client_update_replays_identically_even_a_budget_cut_straggle
         _client_replay(async_run, *cut[-1])
 
 
+# --- (f2) secure aggregation: the logged update is masked ---
+
+SECURE = merged(SMALL, federation={"clients": 4, "rounds": 2}, algorithm={"name": "fedproto"},
+                privacy={"secure_aggregation": True})
+
+
+@pytest.fixture(scope="module")
+def secure_run(tmp_path_factory):
+    run, _ = run_federation(tmp_path_factory.mktemp("secure"), SECURE)
+    return run
+
+
+def test_a_client_of_a_secure_aggregation_run_is_recomputed_but_not_compared(secure_run):
+    assert_identical(secure_run, rounds=2)  # the server's side replays as any run's
+    proc = replay(secure_run, "--client", 1, "--round", 1)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    lines = proc.stdout.splitlines()
+    assert re.match(r"client 1 round 1 \(task \d+\): update not compared: under secure "
+                    r"aggregation \(privacy.secure_aggregation = true\) it travelled masked",
+                    lines[0]), proc.stdout
+    assert "inf" not in proc.stdout and "max abs diff" not in proc.stdout
+    # what it can say: the work matches the logged record, and the recomputed update
+    logged = next(decode(r.frames).body for r in read_log(secure_run) if r.direction == "in"
+                  and decode(r.frames).kind == "update" and decode(r.frames).src == "c1"
+                  and decode(r.frames).round == 1)
+    assert "masked" in logged["payload"]
+    work = logged["work"]
+    assert lines[1] == (f"  work identical: {work['epochs_done']:g}/{work['epochs_asked']} "
+                        f"epochs, {work['steps']} steps, {work['samples']} samples seen")
+    assert re.match(r"  recomputed: task \d+: .* \| protos \d+/10 classes, mean \|v\| [\d.]+",
+                    lines[2]), lines[2]
+
+
+def test_the_log_shows_secure_aggregation_steps_and_masked_updates(secure_run):
+    proc = fedbus("log", str(secure_run), "--round", "1", "--client", "1")
+    timeline = _timeline(proc)
+    steps = [re.search(r"step (\w+), task", ln).group(1) for ln in timeline
+             if ln.split()[2] == "secagg"]
+    assert steps == ["keys", "peers", "shares", "masking", "unmask", "reveal"], proc.stdout
+    update = next(ln for ln in timeline if ln.split()[2] == "update")
+    assert re.search(r"clipped \d+ \| masked uint8\[\d+,\d+\]$", update), update
+    task = next(ln for ln in timeline if ln.split()[2] == "task")
+    assert task.split("seq")[1].split(None, 1)[1].startswith("task ")
+    assert "secure aggregation" in task
+
+
+# --- (f3) what replay cannot do is one line ---
+
+def test_a_run_without_a_message_log_says_the_log_is_off(tmp_path):
+    run, _ = run_federation(tmp_path, merged(SMALL, federation={"clients": 3, "rounds": 1},
+                                             log={"messages": False}))
+    assert not (run / "messages.bin").exists()
+    for args in ((), ("--client", "0", "--round", "0")):
+        proc = replay(run, *args)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr == (f"fedbus replay: {run} ran with log.messages = false: it kept "
+                               "no message log, so there is nothing to replay "
+                               "(log.messages = true, the default, keeps one)\n")
+    proc = fedbus("log", str(run), check=False)
+    assert proc.returncode == 2 and "ran with log.messages = false" in proc.stderr
+
+
+def test_a_data_set_not_found_from_another_directory_is_one_line(tmp_path):
+    """A relative npz path resolves against the working directory: the run found it, a
+    replay started elsewhere does not."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    np.savez(tmp_path / "digits.npz", x=(digits.images * 16).astype(np.uint8), y=digits.target)
+    cfg = write_config(tmp_path / "cfg.toml", merged(SMALL, federation={"clients": 3,
+                                                                        "rounds": 1}))
+    fedbus("run", str(cfg), "--out", str(tmp_path / "run"), "--quiet",
+           "--set", "data.dataset=npz:digits.npz", cwd=tmp_path)
+    for args in ((), ("--client", "0", "--round", "0")):
+        proc = replay(tmp_path / "run", *args)  # from the repository, not tmp_path
+        assert proc.returncode == 2, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+        assert proc.stderr.startswith("fedbus replay: data.dataset = 'npz:digits.npz' cannot "
+                                      "be loaded: npz dataset not found: digits.npz"), \
+            proc.stderr
+        assert "replay from the directory the run was started in" in proc.stderr
+    from_there = fedbus("replay", str(tmp_path / "run"), cwd=tmp_path)
+    assert IDENTICAL.search(from_there.stdout)
+
+
 # --- (g) stop early and dump the state ---
 
-def test_until_round_stops_early_and_dumps_the_server_state(sync_run, tmp_path):
+def test_until_round_is_0_based_and_inclusive_and_dumps_the_server_state(sync_run, tmp_path):
     dump = tmp_path / "state.json"
-    proc = replay(sync_run, "--until-round", 2, "--dump-state", dump)
+    proc = replay(sync_run, "--until-round", 1, "--dump-state", dump)
     assert proc.returncode == 0, proc.stderr
     m = IDENTICAL.search(proc.stdout)
-    assert m and int(m.group(2)) == 2
+    assert m and int(m.group(2)) == 2, proc.stdout  # rounds 0 and 1
+    assert "(rounds 0-1)" in proc.stdout
     assert int(m.group(1)) < len(index(sync_run))
     state = json.loads(dump.read_text())
     assert state["version"] == 2
     assert state["handler"]  # the algorithm's own state (FedProto's prototypes)
+    first = replay(sync_run, "--until-round", 0)
+    assert first.returncode == 0 and int(IDENTICAL.search(first.stdout).group(2)) == 1
+
+
+# --- options: every one has help; combinations replay would ignore and rounds or clients
+# the run does not have are one line, exit 2 ---
+
+def test_every_replay_and_log_option_has_help():
+    from fedbus.launch.cli import build_parser
+
+    for command in ("replay", "log"):
+        parser = build_parser(command)
+        sub = next(a for a in parser._actions if a.dest == "command").choices[command]
+        for action in sub._actions:
+            if action.dest != "help":
+                assert action.help and len(action.help) > 10, (command, action.dest)
+
+
+@pytest.mark.parametrize("args, says", [
+    (("--round", "1"), "--round needs --client"),
+    (("--client", "1"), "--client needs --round"),
+    (("--client", "1", "--round", "1", "--dump-state", "x.json"),
+     "--dump-state is for server replay"),
+    (("--client", "1", "--round", "1", "--until-round", "0"),
+     "--until-round is for server replay"),
+    (("--until-round", "3"), "--until-round 3: this run has rounds 0-2"),
+    (("--client", "1", "--round", "7"), "--round 7: this run has rounds 0-2"),
+    (("--client", "4", "--round", "0"), "--client 4: this run has clients 0-3"),
+    (("--client", "-1", "--round", "0"), "--client -1: this run has clients 0-3"),
+])
+def test_refused_combinations_and_ranges_are_one_line(sync_run, args, says):
+    proc = replay(sync_run, *args)
+    assert proc.returncode == 2 and not proc.stdout, proc.stdout
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
+    assert proc.stderr.startswith(f"fedbus replay: {says}"), proc.stderr
 
 
 # --- (h) the timeline ---
 
+def _timeline(proc) -> list[str]:
+    return [ln for ln in proc.stdout.splitlines() if not ln.startswith("round ")]
+
+
 def test_log_filters_by_round_client_and_kind(sync_run):
     proc = fedbus("log", str(sync_run), "--round", "1", "--client", "2", "--kind", "update")
     lines = proc.stdout.splitlines()
-    timeline = [ln for ln in lines if not ln.startswith("round ")]
+    timeline = _timeline(proc)
     want = [e for e in index(sync_run)
             if e["round"] == 1 and e["kind"] == "update" and "c2" in (e["src"], e["dst"])]
     assert len(want) == 1 and len(timeline) == 1, proc.stdout
     fields = timeline[0].split()
     assert fields[1:5] == ["<-", "update", "c2", "r1"], timeline[0]
-    assert f"{want[0]['bytes']:,}" in fields and fields[-1] == str(want[0]["seq"])
+    seq = fields.index("seq")
+    assert f"{want[0]['bytes']:,}" in fields and fields[seq + 1] == str(want[0]["seq"])
+    assert fields[seq + 2:seq + 4] == ["task", f"{_task_of(sync_run, want[0])}:"]
     assert [ln for ln in lines if ln.startswith("round ")] == ["round 1: c2 answered"]
+
+
+def _task_of(run, entry) -> int:
+    rec = next(r for r in read_log(run) if r.index == entry["i"])
+    return decode(rec.frames).body["task"]
 
 
 def test_log_kinds_and_round_outcomes(sync_run, killed_node_run):
     proc = fedbus("log", str(sync_run), "--round", "0", "--kind", "task", "--kind", "eval")
-    timeline = [ln for ln in proc.stdout.splitlines() if not ln.startswith("round ")]
+    timeline = _timeline(proc)
     assert len(timeline) == 8  # 4 tasks and 4 evals
     assert all(ln.split()[1] == "->" and ln.split()[2] in ("task", "eval") and
                ln.split()[4] == "r0" for ln in timeline), proc.stdout
@@ -340,13 +473,17 @@ def test_log_kinds_and_round_outcomes(sync_run, killed_node_run):
     dead = [ln for ln in outcomes if "dead:" in ln]
     assert dead and all(re.search(r"dead: 2,3$|dead: 3$|dead: 2$", ln) for ln in dead), outcomes
     assert outcomes[-1] == "round 3: sampled 0,1  answered 0,1"  # node n1's clients are gone
-    assert any("leave" in ln for ln in proc.stdout.splitlines() if not ln.startswith("round "))
-    proc = fedbus("log", str(killed_node_run), "--client", "3", "--kind", "none")
+    assert any("leave" in ln for ln in _timeline(proc))
+    proc = fedbus("log", str(killed_node_run), "--client", "3", "--outcomes-only")
     states = [ln.split(": c3 ")[1] for ln in proc.stdout.splitlines()]
     assert states[0] == "answered" and "dead" in states and states[-1] == "not sampled"
 
 
-def test_log_json_lines_are_the_index(sync_run):
+def test_log_json_lines_are_the_index_with_a_summary(sync_run):
     proc = fedbus("log", str(sync_run), "--json", "--kind", "shutdown")
-    lines = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert lines == [e for e in index(sync_run) if e["kind"] == "shutdown"]
+    lines = [json.loads(ln) for ln in proc.stdout.splitlines()]  # every line is JSON
+    messages = [ln for ln in lines if "kind" in ln]
+    assert [{k: v for k, v in m.items() if k != "summary"} for m in messages] == \
+        [e for e in index(sync_run) if e["kind"] == "shutdown"]
+    assert messages[0]["summary"] == {"reason": "run complete"}
+    assert [ln["outcome"]["round"] for ln in lines if "outcome" in ln] == [0, 1, 2]
