@@ -23,7 +23,7 @@ from fedbus.analysis.table import SWEEP_FILE, is_run_dir, load_run, metric_value
 from fedbus.launch.common import add_config_arguments
 from fedbus.launch.run_cmd import catch_interrupt
 from fedbus.node.config import ConfigError, load_config
-from fedbus.node.lifetime import die_with_parent
+from fedbus.node.lifetime import die_with_parent, fedbus_command
 
 EXAMPLES = """\
 examples:
@@ -41,19 +41,15 @@ VALUE (algorithm.name) or KEY=VALUE (other keys, by their last part) joined by '
 s<seed>. A run whose summary.json holds every round is skipped when the sweep is run
 again (its config must be the one asked for, else the sweep refuses); an incomplete one
 is moved aside to NAME.incomplete-K and run again. Each run's own output goes to
-DIR/sweep-logs/NAME.log. Runs start with the working directory's meaning of relative
-paths, but never import from it (PYTHONSAFEPATH), so a folder there named like a package
-cannot stand in for fedbus or a plugin."""
+DIR/sweep-logs/NAME.log. Runs start in this working directory (relative paths mean what
+they mean to `fedbus run`) but never import from it, so a folder there named like a
+package cannot stand in for fedbus or a plugin."""
 
 # The sections whose keys decide what a run computes: a complete run is reused only when
 # they agree ([launch], [log] and [bus] change how it runs, not what it finds).
 COMPARED_SECTIONS = ("federation", "data", "model", "algorithm", "train", "system",
                      "privacy")
 LOG_DIR = "sweep-logs"
-# The launcher of each run: the CLI's entry point in this interpreter, with the working
-# directory left off sys.path (Python < 3.11 ignores PYTHONSAFEPATH).
-LAUNCHER = ("import sys; sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
-            "from fedbus.launch.cli import console_main; console_main()")
 
 
 class SweepError(ValueError):
@@ -360,9 +356,10 @@ def start(run: PlannedRun, plan: Plan, out: Path, slot: int, cpus: list[int]) ->
         if hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, cpus)
 
-    proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, *argv], stdin=subprocess.DEVNULL,
+    # this interpreter, without the working directory on sys.path (fedbus_command: -P)
+    proc = subprocess.Popen(fedbus_command(*argv), stdin=subprocess.DEVNULL,
                             stdout=open(log, "ab"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONSAFEPATH": "1"}, preexec_fn=prepare)
+                            preexec_fn=prepare)
     run.status = "running"
     return Running(run, proc, slot, time.perf_counter(), log)
 
