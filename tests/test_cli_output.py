@@ -23,8 +23,9 @@ def test_plain_lines_and_summary_table_when_not_a_terminal(tmp_path):
     cfg = write_config(tmp_path / "tiny.toml", TINY)
     proc = fedbus("run", str(cfg), "--out", str(tmp_path / "run"))
     err = proc.stderr.splitlines()
-    rounds = [ln for ln in err if re.match(r"round \d+/2 ", ln)]
-    assert [ln.split()[1] for ln in rounds] == ["1/2", "2/2"], proc.stderr
+    # each line: the round's number, 0-based as in every file, then the count done
+    rounds = [ln for ln in err if re.match(r"round \d+ \(\d+/2 done\) ", ln)]
+    assert [ln.split()[1:3] for ln in rounds] == [["0", "(1/2"], ["1", "(2/2"]], proc.stderr
     assert all(re.search(r"updates 2 +failed 0 +acc \d+\.\d% ", ln) for ln in rounds), rounds
     assert any(ln.startswith("fedbus run: fedavg on digits, 2 clients in 1 node(s)")
                for ln in err), proc.stderr
@@ -92,5 +93,5 @@ def test_live_display_on_a_terminal(tmp_path):
     text = ANSI.sub("", raw)
     assert code == 0, text[-3000:]
     assert "rounds" in text and "2/2" in text, text[-3000:]
-    assert not re.search(r"^round \d+/2 ", text, re.MULTILINE), "plain lines on a terminal"
+    assert not re.search(r"^round \d+ \(", text, re.MULTILINE), "plain lines on a terminal"
     assert "rounds completed" in text  # the summary table follows the display
