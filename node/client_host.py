@@ -252,9 +252,14 @@ class ClientNode:
                 self._resume_cutoff = msg.round
             saved = self.states.newest_before(client, self._resume_cutoff)
             if saved is not None:
-                handler.load_state_dict(self.states.load(client, saved))
-                log.info("client state restored", client=client, after_round=saved,
-                         resumed_at=self._resume_cutoff)
+                try:
+                    handler.load_state_dict(self.states.load(client, saved))
+                except (ValueError, RuntimeError, KeyError) as err:  # damaged: say so, go on
+                    log.error("client state not restored: the client continues from its "
+                              "initial state", client=client, error=str(err))
+                else:
+                    log.info("client state restored", client=client, after_round=saved,
+                             resumed_at=self._resume_cutoff)
         elif self._resume_cutoff is None and self.states is not None:
             self._resume_cutoff = msg.round
         return handler

@@ -195,3 +195,22 @@ def test_without_client_state_a_resume_says_the_clients_start_again(tmp_path):
     assert "holds no client states" in out.stderr
     assert "every client starts again from its initial state" in out.stderr
     assert [r["round"] for r in metrics(run_dir)] == list(range(ROUNDS))
+
+
+def test_a_damaged_client_state_is_named_and_its_client_starts_again(tmp_path):
+    cfg = _config(tmp_path, "fedproto")
+    run_dir = tmp_path / "run"
+    _kill_mid_round(cfg, run_dir, after_records=2)
+    done = len(metrics(run_dir))
+    # the state each client would be restored from: damage one of them
+    newest = {}
+    for f in (run_dir / "clients").glob("*/client-*-r*.pt"):
+        client, rnd = f.stem.split("-r")
+        if int(rnd) < done and int(rnd) >= newest.get(client, (-1, None))[0]:
+            newest[client] = (int(rnd), f)
+    victim = sorted(newest.values())[0][1]
+    victim.write_bytes(victim.read_bytes()[:40])  # truncated
+    fedbus("run", "--resume", str(run_dir), "--quiet")
+    assert [r["round"] for r in metrics(run_dir)] == list(range(ROUNDS))
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("node-*.jsonl"))
+    assert "client state not restored" in logs and victim.name in logs
