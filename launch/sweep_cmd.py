@@ -423,7 +423,10 @@ def execute(plan: Plan, out: Path, jobs: int, previous: dict[str, Any] | None, s
             except subprocess.TimeoutExpired:
                 job.proc.kill()
                 job.proc.wait()
-            job.run.status, job.run.note = "interrupted", "stopped by Ctrl-C"
+            if load_run(out / job.run.name).complete:  # it finished as we stopped it
+                job.run.status, job.run.note = "complete", "finished while interrupted"
+            else:
+                job.run.status, job.run.note = "interrupted", "stopped by Ctrl-C"
         write_sweep(plan, out, previous)
         return False
     finally:

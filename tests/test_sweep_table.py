@@ -12,11 +12,14 @@ import json
 import math
 import os
 import shutil
+import signal
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from helpers import write_config
+from helpers import wait_until, write_config
 
 from fedbus.analysis import table as stats
 from fedbus.launch import sweep_cmd
@@ -233,6 +236,31 @@ def test_a_failed_run_is_reported_with_its_cause_and_the_sweep_exits_1(tmp_path)
     code, _, stderr = call(["table", str(out)])
     assert code == 2 and "none of the 2 run(s) is complete" in stderr
     assert "not run (sweep status: failed)" in stderr
+
+
+def test_ctrl_c_stops_the_running_runs_and_the_same_command_continues(tmp_path):
+    cfg = write_config(tmp_path / "tiny.toml", TINY)
+    out = tmp_path / "o"
+    argv = ["sweep", str(cfg), "--seeds", "2", "--out", str(out), "--jobs", "1"]
+    proc = subprocess.Popen([sys.executable, "-m", "fedbus.launch", *argv], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: (out / "s0" / "config.json").exists(), 120,
+                   "the first run to start")
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "the same command continues it" in stderr
+    status = {r["name"]: r["status"] for r in json.loads((out / "sweep.json").read_text())[
+        "runs"]}
+    assert status["s0"] in ("interrupted", "complete")  # it may finish as we stop it
+    assert status["s1"] == "pending"
+    code, stdout, stderr = call(argv)
+    assert code == 0, stderr
+    assert "2 complete" in stdout
 
 
 def test_bad_table_arguments_are_one_line_and_exit_2(sweep, tmp_path):
