@@ -200,6 +200,9 @@ def resumable(args: argparse.Namespace):
     if not (run_dir / "checkpoint.fbk").is_file():
         raise ValueError(f"{run_dir} has no checkpoint: it stopped before its first round "
                          f"closed; start it again with --out {run_dir} --force")
+    from fedbus.node.server import read_checkpoint
+
+    read_checkpoint(run_dir / "checkpoint.fbk")  # CheckpointError: one line, before anything
     try:
         cfg = load_run_config(run_dir / "config.json", [])
     except (ConfigError, ValueError) as err:

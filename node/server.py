@@ -9,6 +9,7 @@ exactly the live server's path.
 from __future__ import annotations
 
 import json
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -305,6 +306,31 @@ def take(engine: Engine, msg: Message, now: float) -> list[Out]:
                                          answer=msg.kind in ANSWERED), now)
 
 
+class CheckpointError(ValueError):
+    """A checkpoint a resume cannot use; the message names the file and what to do."""
+
+
+CHECKPOINT_KEYS = ("version", "rng", "next_task_id", "next_eval_id", "totals", "handler")
+
+
+def read_checkpoint(path: Path) -> tuple[bytes, dict[str, Any]]:
+    """The raw bytes and the decoded state of a server checkpoint; CheckpointError (one
+    line) for a file that is truncated, damaged or not a checkpoint. It is written
+    atomically, so a stop never leaves half of one: damage comes from elsewhere."""
+    try:
+        raw = path.read_bytes()
+        state = decode_body(raw, max_frame=max(len(raw), 1))
+    except (OSError, ValueError) as err:  # WireError is a ValueError
+        raise CheckpointError(f"{path} cannot be read ({type(err).__name__}: {err}); the "
+                              f"run cannot resume from it: start it again with "
+                              f"--force") from None
+    missing = [k for k in CHECKPOINT_KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise CheckpointError(f"{path} is not a fedbus checkpoint (it lacks "
+                              f"{', '.join(missing)}); start the run again with --force")
+    return raw, state
+
+
 class ServerNode:
     def __init__(self, cfg: Config, run_dir: str | Path, broker: str, *, resume: bool = False,
                  run_id: str | None = None, curve=None):
@@ -338,9 +364,13 @@ class ServerNode:
         if not ckpt.exists():
             log.warning("resume asked but no checkpoint yet: starting from round 0")
             return
-        raw = ckpt.read_bytes()
-        state = decode_body(raw, max_frame=max(len(raw), 1))
-        self.engine.load_state_dict(state)
+        raw, state = read_checkpoint(ckpt)
+        try:
+            self.engine.load_state_dict(state)
+        except (KeyError, ValueError, TypeError, RuntimeError) as err:
+            raise CheckpointError(f"{ckpt} does not fit this run's algorithm and config "
+                                  f"({type(err).__name__}: {err}); start the run again "
+                                  f"with --force") from None
         dropped = self.run.keep_through(self.engine.version)
         if dropped:
             log.info("records after the checkpoint dropped: their rounds run again",
@@ -363,7 +393,12 @@ class ServerNode:
         if cfg.log.messages:
             self.msglog = MessageLogWriter(self.run.path, append=self.resume)
         if self.resume:
-            self._restore()
+            try:
+                self._restore()
+            except CheckpointError as err:
+                log.error("cannot resume", error=str(err))
+                print(f"fedbus server: {err}", file=sys.stderr)
+                return 2
         self._describe_models()
         peer = Peer(self.broker, self.curve.name if self.curve else SERVER, role="server",
                     run=self.run_id, heartbeat_s=cfg.bus.heartbeat_s, liveness=cfg.bus.liveness,

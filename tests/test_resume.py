@@ -214,3 +214,23 @@ def test_a_damaged_client_state_is_named_and_its_client_starts_again(tmp_path):
     assert [r["round"] for r in metrics(run_dir)] == list(range(ROUNDS))
     logs = "".join(p.read_text() for p in (run_dir / "logs").glob("node-*.jsonl"))
     assert "client state not restored" in logs and victim.name in logs
+
+
+@pytest.mark.parametrize("damage", [b"", b"\x93garbage", b"\x81\xa3abc\x01"])
+def test_a_damaged_checkpoint_is_one_line_naming_it(tmp_path, damage):
+    """Truncated, not msgpack, or msgpack that is no checkpoint: `fedbus run --resume` and
+    `fedbus server --resume` each say so in one line and exit 2, before anything starts."""
+    cfg = _config(tmp_path, "fedavg")
+    whole = tmp_path / "whole"
+    fedbus("run", str(cfg), "--out", str(whole), "--quiet", "--set", "federation.rounds=1")
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    (stopped / "config.json").write_text((whole / "config.json").read_text())
+    (stopped / "checkpoint.fbk").write_bytes(damage)
+    for argv in (["run", "--resume", str(stopped)],
+                 ["server", "--broker", "tcp://127.0.0.1:1", "--resume", str(stopped)]):
+        out = fedbus(*argv, check=False, timeout=120)
+        assert out.returncode == 2, out.stderr
+        lines = [ln for ln in out.stderr.splitlines() if ln.startswith("fedbus ")]
+        assert len(lines) == 1 and str(stopped / "checkpoint.fbk") in lines[0], out.stderr
+        assert "--force" in lines[0] and "Traceback" not in out.stderr
