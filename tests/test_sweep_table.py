@@ -179,9 +179,14 @@ def test_a_second_sweep_skips_complete_runs_and_redoes_an_incomplete_one(sweep, 
         "rounds_completed"] == 2
     record = json.loads((again / "sweep.json").read_text())
     assert record["runs"][3]["moved_incomplete_to"] == "fedproto-s1.incomplete-1"
-    # and a third time, nothing left to do
+    # and a third time, nothing left to do; a third seed would run two more
     code, stdout, _ = call(["sweep", str(cfg), *GRID, "--out", str(again), "--dry-run"])
     assert code == 0 and "0 to run" in stdout
+    code, stdout, _ = call(["sweep", str(cfg), *GRID[:-1], "3", "--out", str(again),
+                            "--dry-run"])
+    assert code == 0 and "6 runs (2 grid point(s) x 3 seed(s))" in stdout
+    assert "2 to run" in stdout and "fedproto-s2: --set algorithm.name=fedproto --set " \
+        "federation.seed=2: would run" in stdout
 
 
 def test_a_complete_run_of_another_config_is_refused_not_reused(sweep, tmp_path):
