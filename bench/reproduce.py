@@ -310,6 +310,47 @@ def verdict(order: tuple[str, ...] | list[str],
     return judge([(hi, lo, values.get(hi), values.get(lo)) for hi, lo in order_pairs(order)])
 
 
+def paired_verdict(order: tuple[str, ...] | list[str],
+                   values: Mapping[str, list[float | None]], seeds: list[int]
+                   ) -> tuple[str, list[str], list[dict[str, Any]]]:
+    """The expected ordering judged seed by seed: a recipe's seed fixes the partition and
+    the initial model for every method, so for each pair "hi > lo" the differences hi - lo
+    of the seeds both have are the evidence. Each pair: mean and 95 % Student t interval
+    (fedbus.analysis.table.paired_difference); it holds when the interval lies above 0,
+    fails when below, and is unresolved when it spans 0 or rests on one seed. The ordering
+    fails when a pair fails, holds when every pair holds, is unresolved otherwise, and is
+    not judged when no pair has a number. Returns (verdict, one line per pair, pair dicts)."""
+    from fedbus.analysis.table import paired_difference
+
+    lines, pairs, states = [], [], []
+    for hi, lo in order_pairs(order):
+        a = {s: v for s, v in zip(seeds, values.get(hi, [])) if _number(v)}
+        b = {s: v for s, v in zip(seeds, values.get(lo, [])) if _number(v)}
+        d = paired_difference(a, b)
+        if d is None:
+            lines.append(f"{hi} − {lo}: not judged (no seed has both)")
+            pairs.append({"hi": hi, "lo": lo, "verdict": "not judged", "seeds": 0})
+            continue
+        if d.low is None:
+            state, interval = "unresolved", "one seed, no interval"
+        else:
+            state = "holds" if d.low > 0 else "fails" if d.high < 0 else "unresolved"
+            interval = f"95% CI [{d.low:+.2f}, {d.high:+.2f}]"
+        states.append(state)
+        lines.append(f"{hi} − {lo}: {d.mean:+.2f}, {interval}, {d.pairs} seed(s): {state}")
+        pairs.append({"hi": hi, "lo": lo, "verdict": state, "seeds": d.pairs,
+                      "mean": d.mean, "low": d.low, "high": d.high})
+    if not states:
+        return "not judged", lines, pairs
+    overall = "fails" if "fails" in states else \
+        "holds" if all(x == "holds" for x in states) else "unresolved"
+    return overall, lines, pairs
+
+
+def _number(v: float | None) -> bool:
+    return v is not None and not math.isnan(v)
+
+
 def paper_verdict(recipe: Recipe) -> tuple[str, list[str]]:
     """The expected ordering on the paper's own numbers, each pair in the first paper column
     that has both rows (a pair is never judged across two tables)."""
@@ -354,7 +395,6 @@ def report(recipe: Recipe, values: Mapping[str, list[float | None]], *,
     seeds = seeds if seeds is not None else list(range(max(map(len, values.values()),
                                                            default=0)))
     stats = {label: mean_std(v) for label, v in values.items()}
-    means = {label: (s[0] if s[2] else None) for label, s in stats.items()}
     w = max(len(r.label) for r in recipe.rows) + 2
     head = (f"  {'row':<{w}}{'metric':<16}{'rounds':>7}"
             + "".join(f"  {c:>22}" for c in recipe.paper_columns)
@@ -381,10 +421,11 @@ def report(recipe: Recipe, values: Mapping[str, list[float | None]], *,
                       for c, p in zip(recipe.paper_columns, papers)],
             "ours": {"mean": m if n else None, "std": sd if n > 1 else None, "n": n,
                      "per_seed": per_seed}})
-    ours_v, ours_why = verdict(recipe.order, means)
+    ours_v, ours_why, ours_pairs = paired_verdict(recipe.order, values, seeds)
     paper_v, paper_why = paper_verdict(recipe) if recipe.paper_columns else ("-", [])
     lines.append(f"expected ordering: {'; '.join(recipe.order)}")
-    lines.append(f"  ours:  {ours_v}" + "".join(f"\n         {x}" for x in ours_why))
+    lines.append(f"  ours:  {ours_v} (paired over {len(seeds)} seed(s))"
+                 + "".join(f"\n         {x}" for x in ours_why))
     if recipe.paper_columns:
         lines.append(f"  paper: {paper_v}" + "".join(f"\n         {x}" for x in paper_why))
     gaps_json = []
@@ -406,7 +447,8 @@ def report(recipe: Recipe, values: Mapping[str, list[float | None]], *,
            "at": recipe.at, "paper_setting": recipe.paper_setting,
            "paper_columns": list(recipe.paper_columns), "rows": rows_json,
            "ordering": {"expected": list(recipe.order),
-                        "ours": {"verdict": ours_v, "pairs": ours_why},
+                        "ours": {"verdict": ours_v, "pairs": ours_why, "paired": ours_pairs,
+                                 "seeds": len(seeds)},
                         "paper": {"verdict": paper_v, "pairs": paper_why}},
            "gaps": gaps_json, "scale_changes": list(recipe.scale_changes),
            "notes": list(recipe.notes)}

@@ -246,7 +246,10 @@ def test_tan_table1_end_to_end_at_smoke_scale(tmp_path):
     for row in doc["rows"]:
         assert row["rounds"] == 2
         assert row["ours"]["n"] == 1 and 0 <= row["ours"]["mean"] <= 100, row
-    assert doc["ordering"]["ours"]["verdict"] in ("holds", "does not hold")
+    # one seed: every pair rests on one difference, with no interval to judge it by
+    assert doc["ordering"]["ours"]["verdict"] == "unresolved"
+    assert doc["ordering"]["ours"]["seeds"] == 1
+    assert "one seed, no interval" in text
     # a second call reuses every run by name
     again = fedbus("bench", "reproduce", "tan-table1", "--scale", "smoke", "--nodes", "1",
                    "--data", str(MNIST_NPZ), "--out", str(out), timeout=300)
@@ -302,3 +305,32 @@ def test_a_run_whose_defaults_changed_is_stale_not_reused(tmp_path):
     with pytest.raises(RuntimeError, match="exited"):
         run_or_reuse(bad, run.name, out=tmp_path, timeout=60)
     assert (tmp_path / (run.name + ".stale") / "summary.json").exists()
+
+
+@pytest.mark.parametrize("a, b, verdict", [
+    ([3.0, 4.0, 5.0], [1.0, 1.5, 2.5], "holds"),       # d = 2, 2.5, 2.5: interval above 0
+    ([1.0, 1.5, 2.5], [3.0, 4.0, 5.0], "fails"),       # the mirror: below 0
+    ([3.0, 1.0, 5.0], [2.0, 2.0, 2.0], "unresolved"),  # d = 1, -1, 3: spans 0
+    ([3.0, None, None], [1.0, 1.0, 1.0], "unresolved"),  # one seed: no interval
+])
+def test_paired_verdict_judges_the_seed_by_seed_differences(a, b, verdict):
+    """Means alone would call all but the mirror 'holds'; the paired interval decides."""
+    got, lines, pairs = rp.paired_verdict(["A > B"], {"A": a, "B": b}, [0, 1, 2])
+    assert got == verdict and pairs[0]["verdict"] == verdict
+    if verdict != "unresolved" or a[1] is not None:
+        import statistics
+
+        from fedbus.analysis.table import t_quantile
+        d = [x - y for x, y in zip(a, b)]
+        half = t_quantile(0.975, 2) * statistics.stdev(d) / 3 ** 0.5
+        assert pairs[0]["mean"] == pytest.approx(statistics.mean(d))
+        assert pairs[0]["low"] == pytest.approx(statistics.mean(d) - half)
+        assert f"3 seed(s): {verdict}" in lines[0]
+
+
+def test_paired_verdict_of_a_chain_fails_on_any_failing_pair():
+    values = {"A": [3.0, 3.1, 3.2], "B": [2.0, 2.0, 2.1], "C": [2.5, 2.6, 2.4]}
+    got, lines, _ = rp.paired_verdict(["A > B > C"], values, [0, 1, 2])
+    assert got == "fails" and lines[0].endswith("holds") and lines[1].endswith("fails")
+    got, lines, _ = rp.paired_verdict(["A > D"], values, [0, 1, 2])
+    assert got == "not judged" and "no seed has both" in lines[0]
