@@ -7,12 +7,15 @@ clients the run does not have are errors naming the valid range.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
-from helpers import SMALL, fedbus, merged, run_federation
+from helpers import REPO, SMALL, fedbus, merged, run_federation, write_config
 
 from fedbus.broker.wire import decode
 from fedbus.record.msglog import read_log
@@ -224,3 +227,45 @@ def test_the_shutdown_round_shows_the_shutdown_and_unknown_kinds_are_refused(pro
     assert len(lines) == 1 and " shutdown " in lines[0] and lines[0].endswith("run complete")
     proc = log(proto_run, "--kind", "updates", check=False)
     assert proc.returncode == 2 and "invalid choice: 'updates'" in proc.stderr
+
+
+# --- a failure: the error's code and reason ---
+
+FAILING_PLUGIN = '''
+from fedbus.algorithms import Algorithm
+from fedbus.algorithms.fedavg import FedAvgClient, FedAvgServer
+
+
+class FailingClient(FedAvgClient):
+    def train(self, task, run):
+        if self.ctx.client == 1:
+            raise ValueError("client 1 cannot train today")
+        return super().train(task, run)
+
+
+ALGORITHM = Algorithm("fails-one", FedAvgServer, FailingClient, "FedAvg whose client 1 fails")
+'''
+
+
+def test_an_error_shows_its_code_and_reason(tmp_path):
+    (tmp_path / "fails_one.py").write_text(FAILING_PLUGIN)
+    info = tmp_path / "fails_one-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fails-one\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(
+        "[fedbus.algorithms]\nfails-one = fails_one:ALGORITHM\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+        str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    cfg = write_config(tmp_path / "cfg.toml", merged(
+        SMALL, federation={"clients": 3, "rounds": 1}, algorithm={"name": "fails-one"}))
+    subprocess.run([sys.executable, "-m", "fedbus.launch", "run", str(cfg), "--out",
+                    str(tmp_path / "run"), "--quiet"], env=env, cwd=REPO, check=True,
+                   timeout=300)
+    run = tmp_path / "run"
+    errors = [m for m in json_lines(run, "--kind", "error") if "kind" in m]
+    assert len(errors) == 1 and errors[0]["src"] == "c1"
+    assert errors[0]["summary"]["code"] == "handler_failed"
+    assert errors[0]["summary"]["reason"] == "ValueError('client 1 cannot train today')"
+    line = log(run, "--kind", "error").stdout.splitlines()[0]
+    assert line.endswith("handler_failed: ValueError('client 1 cannot train today')"), line
+    assert "round 0: sampled 0,1,2  answered 0,2  error: 1" in log(run, "--outcomes-only").stdout
