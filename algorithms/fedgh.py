@@ -21,7 +21,8 @@ Each round (Fig. 1, steps 4, 1, 2, 3):
   replaces its own header with it (step 4; HtFLlib's `set_parameters`, from round 0
   on, as HtFLlib; the authors' code lets round 0 start from each client's own head).
 - the client trains its whole model (extractor and header) with cross-entropy over
-  run.batches() (step 1; the optimiser is the [train] one, kept between tasks).
+  run.batches() (step 1; the optimiser is the [train] one, its momentum emptied at
+  every task or kept, as train.optimizer_state says).
 - up: the client's local averaged representations (LARs, step 2): per class c the
   mean of f(x) over its training samples of c, {"protos": float32 [C, D],
   "counts": int64 [C]} (count 0 = class absent, zero row). PARAM `protos`:

@@ -36,7 +36,9 @@ silent, as fixed behaviour:
 Three optimisers with the [train] settings: the teacher's, W_h's (both at train.lr,
 as HtFLlib) and the student's at PARAM `mentee_lr` (0 = train.lr; FedTGP's appendix:
 "we set its auxiliary model learning rate to be the same as the one of the client
-model"; HtFLlib's default mentee_learning_rate = 0.01 is its default client lr).
+model"; HtFLlib's default mentee_learning_rate = 0.01 is its default client lr). All
+three start every task empty or carry their momentum over, as train.optimizer_state
+says (algorithms/core/handlers.py: ClientContext.start_local_run).
 
 Communication (the paper's Methods, dynamic gradient approximation): the student's update
 delta = (trained student) - (student weights the task carried) is compressed weight

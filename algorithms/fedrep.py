@@ -43,11 +43,12 @@ requires_grad under one SGD (momentum 0.5, weight decay 1e-4 on weights); with t
 PyTorch of its time net.zero_grad() zeroed gradients rather than clearing them, so the
 head, frozen for the representation epochs, still moved by its momentum buffer and
 weight decay. The frozen part also has requires_grad off during the other phase, so no
-gradient is computed through it. Both optimisers persist across tasks, as every fedbus
-client's optimiser does (the code builds a fresh one per round); the head optimiser's
-state is part of the client's state_dict. The network stays in train mode in both
-phases, as in the code: BatchNorm running statistics in the body keep updating while
-the head trains (its parameters do not).
+gradient is computed through it. Both optimisers start each phase empty (the code
+builds a fresh one per round) or carry their momentum over from the last task, as every
+fedbus client's optimisers do (train.optimizer_state: "fresh", default, or "persist");
+the head optimiser's state is part of the client's state_dict. The network stays in
+train mode in both phases, as in the code: BatchNorm running statistics in the body
+keep updating while the head trains (its parameters do not).
 
 Evaluation (as FedPer, and the paper's personalised accuracy): the global
 representation with the client's own head. Every client runs one architecture

@@ -20,7 +20,10 @@ the meme model (deep mutual learning's alternating updates, made simultaneous;
 the reference code does not detach, so its backward of L_local also pushes the
 meme model toward the local one and vice versa). Two optimisers with the
 [train] settings (the reference: two SGDs at the client learning rate); one
-step of each per minibatch.
+step of each per minibatch. Both are built by ctx.make_optimizer, so both start every
+task empty (train.optimizer_state = "fresh", default) or carry their momentum over
+("persist"); HtFLlib's clientFML builds its SGDs once but without momentum, so they hold
+no state between rounds: "fresh" is its behaviour at any momentum.
 
 PARAMS:
 - alpha = 0.5, beta = 0.5: FedTGP's appendix ("we set its knowledge distillation

@@ -33,8 +33,9 @@ networks (fedbus.node.setup.make_model: the same seeded initial weights):
   (index batches, index_add_ class sums, cdist; collect and evaluation passes in batches
   of 512, as fedbus does them): what one process needs at the least.
   Where HtFLlib differs from fedbus's FedProto defaults the reference follows fedbus, so
-  both sides compute the same thing: a persistent SGD per client with fedbus's momentum
-  (HtFLlib: a fresh momentum-free SGD per round), count-weighted prototype averaging
+  both sides compute the same thing: an SGD per client with fedbus's momentum, its
+  state emptied at every task as train.optimizer_state says (default "fresh": as a new
+  SGD, HtFLlib's choice; HtFLlib's has no momentum), count-weighted prototype averaging
   (HtFLlib: unweighted), the last partial batch kept (HtFLlib's loaders drop it), the
   batch order of fedbus's task seed (a DataLoader seeded with it draws the same
   permutation as fedbus's LocalRun), and evaluation after aggregation (HtFLlib scores
@@ -214,6 +215,7 @@ class Reference:
                                  f"not {params[key]!r}")
         self.lam = float(params["lam"])
         self.weighted = params["aggregate"] == "weighted"
+        self.fresh_optimizer = cfg.train["optimizer_state"] == "fresh"
         self.seed = cfg.federation.seed
         self.batch_size = int(cfg.train["batch_size"])
         self.epochs = int(cfg.train["epochs"])
@@ -280,6 +282,8 @@ class Reference:
         from torch.utils.data import DataLoader, TensorDataset
 
         model, opt = c["model"], c["opt"]
+        if self.fresh_optimizer:
+            opt.state.clear()  # as fedbus's LocalRun does at the start of a task
         model.train()
         have = sorted(self.global_protos)
         if self.style == "lean" and have:

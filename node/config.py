@@ -96,6 +96,11 @@ SCHEMA: dict[str, dict[str, Opt]] = {
         "lr": Opt(0.01, "local learning rate", min=0.0),
         "momentum": Opt(0.5, "SGD momentum", min=0.0, max=1.0),
         "weight_decay": Opt(0.0, "SGD weight decay", min=0.0),
+        "optimizer_state": Opt("fresh", "what a client's optimizers (their momentum buffers) "
+                               "hold when a local run starts: fresh = nothing, a new "
+                               "optimizer per task (FedProto's and HtFLlib's code; the "
+                               "papers are silent); persist = carried over from the "
+                               "client's previous task", ("fresh", "persist")),
         "budget_s": Opt(0.0, "time budget per task in seconds; 0 = none", min=0.0),
     },
     "system": {

@@ -230,11 +230,34 @@ class ClientContext:
     # As ServerContext.archs / build_arch (the builder's model is on the CPU).
     archs: tuple[str, ...] = ()
     build_arch: Callable[[str], torch.nn.Module] | None = None
+    # Every optimizer make_optimizer built for this client (the handler's own, FML/FedKD's
+    # auxiliary ones, FedRep's head one): the ones train.optimizer_state governs.
+    # (init=False: a dataclasses.replace of the context starts a list of its own)
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list, init=False,
+                                                    repr=False, compare=False)
 
     def make_optimizer(self, params=None) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.model.parameters() if params is None else params,
-                               lr=self.train["lr"], momentum=self.train["momentum"],
-                               weight_decay=self.train["weight_decay"])
+        """SGD with the [train] lr, momentum and weight decay over `params` (default: the
+        model's), registered in `optimizers` so that every local run starts it as
+        train.optimizer_state says (start_local_run)."""
+        optimizer = torch.optim.SGD(self.model.parameters() if params is None else params,
+                                    lr=self.train["lr"], momentum=self.train["momentum"],
+                                    weight_decay=self.train["weight_decay"])
+        self.optimizers.append(optimizer)
+        return optimizer
+
+    def start_local_run(self) -> None:
+        """What a client's optimizers hold when a local run starts. train.optimizer_state =
+        "fresh" (default): nothing, as a new optimizer; FedProto's reference code
+        (lib/update.py, update_weights_het) and HtFLlib build one per local update, and
+        FedProto's paper (App. A: "SGD ... momentum of 0.5") says no more. Emptying the
+        state is building it anew: torch's SGD starts a momentum buffer (Adam its moments
+        and step) at the first step after, and the param groups (lr, a handler's
+        per-round lr) stay as set. "persist": the momentum buffers carry over from the
+        client's previous local run (fedbus before issue 25)."""
+        if self.train.get("optimizer_state", "fresh") == "fresh":
+            for optimizer in self.optimizers:
+                optimizer.state.clear()
 
 
 class LocalRun:
@@ -270,6 +293,9 @@ class LocalRun:
         return max(1, math.ceil(len(self.ctx.train_y) / self.ctx.train["batch_size"]))
 
     def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        # every local step goes through here (DP-SGD's Poisson batches and FedRep's head
+        # run too), so this is where a run's optimizers start as train.optimizer_state says
+        self.ctx.start_local_run()
         n = len(self.ctx.train_y)
         if n == 0 or self.epochs == 0:
             return
