@@ -104,4 +104,10 @@ def main(args: argparse.Namespace) -> int:
                       spool_dir=args.spool_dir, log_dir=args.message_log_dir,
                       state_dir=state_dir(args.state_dir),
                       curve=curve)
-    return node.serve()
+    from fedbus.node.config import ConfigError
+
+    try:
+        return node.serve()
+    except ConfigError as err:  # the server's config names what this machine lacks (a plugin)
+        print(f"fedbus node: the server's config cannot be used here: {err}", file=sys.stderr)
+        return 2

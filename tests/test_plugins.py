@@ -8,7 +8,7 @@ import subprocess
 import sys
 import textwrap
 
-from helpers import REPO, SMALL, merged, write_config
+from helpers import REPO, SMALL, free_port, merged, write_config
 
 PLUGIN = '''
 from fedbus.algorithms import Algorithm
@@ -141,3 +141,46 @@ def test_broken_plugins_do_not_hide_the_others_in_the_listing(tmp_path):
                          env=env, capture_output=True, text=True, cwd=REPO, timeout=120)
     assert one.returncode == 2 and len(one.stderr.strip().splitlines()) == 1, one.stderr
     assert PLUGIN_ERRORS["misnamed"] in one.stderr
+
+
+def test_a_node_whose_plugin_does_not_load_says_so_in_one_line(tmp_path):
+    """The server has the plugin; the node's machine has a broken install of it: the node
+    gets the server's config, cannot build the algorithm, and exits 2 with one line."""
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    good.mkdir()
+    bad.mkdir()
+    server_env = _install_plugin(good)
+    (bad / "halfstep_plugin.py").write_text("import a_dependency_missing_on_this_node\n")
+    info = bad / "halfstep_plugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: halfstep-plugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(
+        "[fedbus.algorithms]\nhalfstep = halfstep_plugin:ALGORITHM\n")
+    node_env = {**os.environ,
+                "PYTHONPATH": f"{bad}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    broker = f"tcp://127.0.0.1:{free_port()}"
+    fedbus = [sys.executable, "-m", "fedbus.launch"]
+    started = []
+    try:
+        for args, env in ((["broker", "--bind", broker], None),
+                          (["server", "--broker", broker, "--set", "algorithm.name=halfstep",
+                            "--set", "federation.clients=2", "--out", str(tmp_path / "run")],
+                           server_env)):
+            started.append(subprocess.Popen(fedbus + args, env=env, cwd=REPO,
+                                            stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL))
+        node = subprocess.run(fedbus + ["node", "--broker", broker, "--clients", "0-1"],
+                              env=node_env, cwd=REPO, capture_output=True, text=True,
+                              timeout=120)
+    finally:
+        for proc in started:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert node.returncode == 2, node.stderr[-3000:]
+    assert "Traceback" not in node.stderr
+    last = node.stderr.strip().splitlines()[-1]
+    assert last == ("fedbus node: the server's config cannot be used here: algorithm.name = "
+                    "'halfstep': plugin entry point 'halfstep' (halfstep = "
+                    "halfstep_plugin:ALGORITHM, package halfstep-plugin 0.1): module "
+                    "halfstep_plugin does not import: ModuleNotFoundError: No module named "
+                    "'a_dependency_missing_on_this_node'"), last
