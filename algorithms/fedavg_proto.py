@@ -24,12 +24,25 @@ PARAMS (defaults = the paper):
   the engine's staleness weight (1 when fresh); "weighted": weighed by the
   clients' class counts |D_i,j| as well (FedProto's eq. 6; fedbus's default
   before the audit).
+- `proto_model` (eq. 2): which model's features f_e(w_e; x) the client's prototypes
+  average. "global" (default): the global model the task carries, the one the client
+  received for this round (before its local update). Eq. 2 writes f_e(w_e; x) with the
+  shared model's w of Sec. II-A ("the model parameters of the global model"), without a
+  client index, and eq. 4 classifies with that same f_e(w_e; .): read literally, one
+  global feature space for the prototypes and the queries. The prototypes travel with the
+  round's update (Fig. 1, step 1), so the global model a client has when it computes them
+  is the one it received; inference (`infer_model = "global"`) uses the model aggregated
+  from that round, one FedAvg step later. "local": the client's own model after the
+  round's local update (Sec. II-B's "update their own local model parameters as usual,
+  but also calculate their own prototypes" read as "then"; fedbus before issue 25), whose
+  features a client's skewed local training moves away from the global model's that
+  classifies with them.
 - `infer_model` (eq. 4): "global" (default; Sec. II-B: "the aggregated
   prototypes and the latest model parameters are then sent back to local
   clients for model inferences", and f_e(w_e; .) is the shared model of
   Sec. II-A): the features of the aggregated global model, the one the eval
-  task carries; "local": the client's own post-training model, the one that
-  computed its prototypes (eq. 2).
+  task carries; "local": the client's own post-training model (with
+  `proto_model = "local"`, the one that computed its prototypes).
 - `every_round` (default False: prototypes are computed, uploaded and
   aggregated in the last round only, Algorithm 1 lines 5-9). True does it every
   round, for the per-round proto-accuracy curves of the paper's figures
@@ -44,8 +57,9 @@ PARAMS (defaults = the paper):
 On the bus:
 - task: {"weights": ..., "send_protos": bool};
 - update: {"delta": ...} plus, when asked, {"protos": float32 [C, D],
-  "counts": int64 [C]} computed after local training (one eval-mode pass over
-  the training data with the client's post-training model);
+  "counts": int64 [C]}: one eval-mode pass over the training data with the model
+  `proto_model` names (the received global model, before local training; or the
+  client's post-training model);
 - eval: {"weights", "protos": float32 [C, D], "has": bool [C]}. "acc" is the
   global model's head (as FedAvg), "proto_acc" is eq. 4 with the model
   `infer_model` names, nan before any prototype exists. Segmentation: per-pixel
@@ -92,6 +106,10 @@ class FedAvgProtoServer(FedAvgServer):
         "aggregate": opt("mean", "per-class prototype aggregation: mean = eq. 3 (plain average "
                          "over the clients with the class); weighted = by class counts "
                          "|D_i,j| (FedProto's eq. 6)", choices=("mean", "weighted")),
+        "proto_model": opt("global", "whose features eq. 2 averages into the client's "
+                           "prototypes: global = the global model the task carries (eq. 2's "
+                           "shared w_e, before local training); local = the client's model "
+                           "after its local update", choices=("global", "local")),
         "infer_model": opt("global", "whose features eq. 4 compares with the prototypes: "
                            "global = the latest aggregated model (Sec. II-B); local = the "
                            "client's own post-training model", choices=("global", "local")),
@@ -162,16 +180,29 @@ class FedAvgProtoServer(FedAvgServer):
 class FedAvgProtoClient(FedAvgClient):
     PARAMS: ClassVar[dict[str, Any]] = FedAvgProtoServer.PARAMS
 
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self._protos: tuple[np.ndarray, np.ndarray] | None = None
+
+    def prototypes(self) -> tuple[np.ndarray, np.ndarray]:
+        """Eq. 2 over the client's training data with the model as it is now."""
+        ctx = self.ctx
+        if not len(ctx.train_y):
+            return (np.zeros((ctx.num_classes, ctx.feature_dim), np.float32),
+                    np.zeros(ctx.num_classes, np.int64))
+        return local_prototypes(ctx.model, ctx.train_x, ctx.train_y, ctx.num_classes)
+
+    def begin_local(self, task: Mapping[str, Any]) -> None:
+        # the task's global weights are loaded and no step has been taken: eq. 2's w_e
+        self._protos = None
+        if task.get("send_protos") and self.param("proto_model") == "global":
+            self._protos = self.prototypes()
+
     def train(self, task: Mapping[str, Any], run: LocalRun) -> dict[str, Any]:
         payload = super().train(task, run)
         if task.get("send_protos"):
-            ctx = self.ctx
-            if len(ctx.train_y):  # eq. 2 with the post-training local model
-                protos, counts = local_prototypes(ctx.model, ctx.train_x, ctx.train_y,
-                                                  ctx.num_classes)
-            else:
-                protos = np.zeros((ctx.num_classes, ctx.feature_dim), np.float32)
-                counts = np.zeros(ctx.num_classes, np.int64)
+            protos, counts = self._protos if self._protos is not None else self.prototypes()
+            self._protos = None
             payload.update(protos=protos, counts=counts)
         return payload
 

@@ -1,7 +1,8 @@
 """fedavg-proto (Qiao et al., "Prototype helps federated learning"; audit:
 docs/FIDELITY.md (fedavg-proto)): the defaults are the paper's; prototypes are asked for in the
 last round only (Algorithm 1 lines 5-9) or every round (the curves); eq. 2 (class means of the
-post-training local model's features), eq. 3 (plain per-class mean over the clients that have
+received global model's features by default, or the option's post-training local model's),
+eq. 3 (plain per-class mean over the clients that have
 the class; the count-weighted option; staleness) and eq. 4 (nearest prototype with the latest
 global model, or the option's local model) checked against plain numpy on tiny inputs; and a
 short in-process federation on scikit-learn's digits."""
@@ -12,7 +13,8 @@ import math
 import numpy as np
 import pytest
 import torch
-from algo_support import TRAIN, BodyHead, C, D, check_spec, freeze, server_ctx, simulate, update
+from algo_support import (TRAIN, BodyHead, C, D, check_spec, client_ctx, digits_parts, freeze,
+                          make_model, server_ctx, simulate, update)
 from torch import nn
 
 from fedbus.algorithms import get_algorithm
@@ -67,6 +69,7 @@ def test_fedavg_proto_defaults_follow_the_paper():
     defaults = {k: default_of(v) for k, v in FedAvgProtoServer.PARAMS.items()}
     assert defaults == {"every_round": False,  # Algorithm 1: prototypes in round T only
                         "aggregate": "mean",  # eq. 3
+                        "proto_model": "global",  # eq. 2's f_e(w_e; x), Sec. II-A's global w
                         "infer_model": "global",  # Sec. II-B: the latest model parameters
                         # a defence, off by default (fedbus.algorithms.core.robust)
                         "robust": "none", "robust_trim": 0.1, "robust_f": 1, "robust_m": 1}
@@ -118,10 +121,72 @@ def test_fedavg_proto_weighted_option_and_staleness_by_hand():
     np.testing.assert_array_equal(fresh.has, s.has)
 
 
+def test_fedavg_proto_eq2_prototypes_of_the_received_global_model():
+    """proto_model = "global" (default): eq. 2 with the weights the task carries, the model
+    that (aggregated one step on) classifies with them, not the client's trained model."""
+    x = np.array([[1, 2], [3, 0], [0, 1], [2, 2], [5, 5], [1, 1]], float)
+    y = np.array([0, 0, 1, 1, 0, 1])  # class 2 absent: zero row, count 0
+    own_F, global_F, global_f = np.eye(2), np.array([[0.5, 1.0], [1.0, -0.5]]), (0.3, -0.1)
+    h = tiny_client(Tiny(F=own_F), x, y, {})
+    received = model_weights(Tiny(F=global_F, f=global_f))
+    payload = h.train(freeze({"weights": received, "send_protos": True}),
+                      LocalRun(h.ctx, epochs=2, seed=0))
+    trained = model_weights(h.ctx.model)
+    assert not np.allclose(trained["body.weight"], global_F)  # it trained from the received
+    feats = x @ global_F.T + np.array(global_f)
+    want = np.array([feats[y == 0].mean(0), feats[y == 1].mean(0), [0.0, 0.0]])
+    np.testing.assert_allclose(payload["protos"], want, atol=1e-5)
+    np.testing.assert_array_equal(payload["counts"], [3, 3, 0])
+    check_spec(payload, {"protos": ("float32", (3, 2)), "counts": ("int64", (3,))})
+    # the trained model's class means are another thing (what "local" sends)
+    trained_feats = x @ trained["body.weight"].astype(float).T + trained["body.bias"]
+    assert not np.allclose(payload["protos"][0], trained_feats[y == 0].mean(0), atol=1e-3)
+
+
+def test_fedavg_proto_global_prototypes_on_digits_are_the_received_models_class_means():
+    """On real data: every round (every_round), each client's uploaded prototypes are the
+    class means of the received global model's features over its training split."""
+    server, handlers, _ = simulate("fedavg-proto", {"every_round": True}, rounds=2, clients=3,
+                                   ways=4)
+    for i, h in enumerate(handlers):
+        task = freeze(server.make_task(i, RoundInfo(2, 3)))
+        model = make_model(0)  # the same network, the received global weights loaded
+        model.load_state_dict({k: torch.tensor(np.array(v)) for k, v in task["weights"].items()})
+        model.eval()
+        with torch.no_grad():
+            feats = model.features(h.ctx.train_x).double().numpy()
+        labels = h.ctx.train_y.numpy()
+        payload = h.train(task, LocalRun(h.ctx, epochs=1, seed=7))
+        for c in range(C):
+            if (labels == c).any():
+                np.testing.assert_allclose(payload["protos"][c], feats[labels == c].mean(0),
+                                           rtol=1e-5, atol=1e-5)
+                assert payload["counts"][c] == (labels == c).sum()
+            else:
+                assert payload["counts"][c] == 0 and not payload["protos"][c].any()
+
+
+def test_fedavg_proto_proto_model_leaves_the_training_alone():
+    """The prototype pass (eval mode, no gradient, no random draw) changes no weight: the
+    same task gives the same delta under either proto_model, so the FedAvg rows of the
+    recipes read the same training whichever prototypes a run computes."""
+    part = digits_parts(1, ways=4)[0]
+    server = get_algorithm("fedavg-proto").server(server_ctx({}, clients=1, rounds=1))
+    task = freeze(server.make_task(0, RoundInfo(0, 1)))
+    out = {}
+    for proto_model in ("global", "local"):
+        h = get_algorithm("fedavg-proto").client(
+            client_ctx(0, part, {"proto_model": proto_model}))
+        out[proto_model] = h.train(task, LocalRun(h.ctx, epochs=1, seed=3))
+    assert all((out["global"]["delta"][k] == out["local"]["delta"][k]).all()
+               for k in out["global"]["delta"])
+    assert not np.allclose(out["global"]["protos"], out["local"]["protos"])
+
+
 def test_fedavg_proto_eq2_prototypes_of_the_post_training_local_model():
     x = np.array([[1, 2], [3, 0], [0, 1], [2, 2], [5, 5], [1, 1]], float)
     y = np.array([0, 0, 1, 1, 0, 1])  # class 2 absent: zero row, count 0
-    h = tiny_client(Tiny(), x, y, {})
+    h = tiny_client(Tiny(), x, y, {"proto_model": "local"})
     start = model_weights(h.ctx.model)
     payload = h.train(freeze({"weights": start, "send_protos": True}),
                       LocalRun(h.ctx, epochs=2, seed=0))
