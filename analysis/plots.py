@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from fedbus.record import DamagedFile
 from fedbus.record.rundir import read_metrics
 
 RUN_FILES = ("config.json", "metrics.jsonl", "summary.json")
@@ -98,7 +99,10 @@ def load_run(path: str | Path, label: str | None = None) -> RunData:
     notes: list[str] = []
     config = _read_json(p / "config.json", notes) or {}
     summary = _read_json(p / "summary.json", notes)
-    records = _dedupe(read_metrics(p))
+    try:
+        records = _dedupe(read_metrics(p))
+    except DamagedFile as err:  # one line from `fedbus plot`, like a missing run
+        raise NotARunDir(str(err)) from None
     emb = p / "embeddings.fbk"
     run = RunData(p, "", config, summary, records, emb if emb.is_file() else None, notes)
     masks = p / "masks.fbk"

@@ -202,7 +202,10 @@ def resumable(args: argparse.Namespace):
                          f"closed; start it again with --out {run_dir} --force")
     from fedbus.node.server import read_checkpoint
 
+    from fedbus.record.rundir import read_metrics
+
     read_checkpoint(run_dir / "checkpoint.fbk")  # CheckpointError: one line, before anything
+    read_metrics(run_dir)  # DamagedFile: likewise
     try:
         cfg = load_run_config(run_dir / "config.json", [])
     except (ConfigError, ValueError) as err:

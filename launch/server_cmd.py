@@ -69,7 +69,7 @@ def main(args: argparse.Namespace) -> int:
     except AuthError as err:
         print(f"fedbus server: {err}", file=sys.stderr)
         return 2
-    from fedbus.record import MissingExtra
+    from fedbus.record import DamagedFile, MissingExtra
 
     try:
         server = ServerNode(cfg, run_dir, args.broker, resume=bool(args.resume), curve=curve)
@@ -77,6 +77,9 @@ def main(args: argparse.Namespace) -> int:
             attach_ffd(server, cfg)
     except (ConfigError, MissingExtra) as err:
         print(f"fedbus server: config error: {err}", file=sys.stderr)
+        return 2
+    except DamagedFile as err:
+        print(f"fedbus server: {err}", file=sys.stderr)
         return 2
     return server.serve()
 

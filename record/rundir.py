@@ -21,6 +21,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
+from fedbus.record import DamagedFile
+
 SCALAR = (int, float, str, bool)
 ACC_KEYS = ("acc_mean", "acc_std", "acc_weighted", "proto_acc_mean", "proto_acc_std",
             "proto_acc_weighted", "loss_mean", "miou_mean", "miou_std", "miou_weighted",
@@ -38,15 +40,30 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """metrics.jsonl's records. A torn last line (a stop while the server wrote it) is left
+    out; any other line that is not a JSON object is DamagedFile naming it, rather than
+    records silently cut short there."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise DamagedFile(f"{path} cannot be read ({type(err).__name__}: {err})") from None
     out = []
-    for line in path.read_text().splitlines():
+    for i, line in enumerate(lines):
         try:
-            out.append(json.loads(line))
+            rec = json.loads(line)
         except json.JSONDecodeError:
-            break  # a torn last line after a crash
+            if i == len(lines) - 1:
+                break  # a torn last line after a crash
+            rec = None
+        if not isinstance(rec, dict):
+            raise DamagedFile(f"{path}, line {i + 1}, is not a metrics record: the file is "
+                              f"damaged (its {len(lines) - i - 1} later line(s) cannot be "
+                              f"trusted); the run's checkpoint and message log are separate "
+                              f"files") from None
+        out.append(rec)
     return out
 
 

@@ -234,3 +234,28 @@ def test_a_damaged_checkpoint_is_one_line_naming_it(tmp_path, damage):
         lines = [ln for ln in out.stderr.splitlines() if ln.startswith("fedbus ")]
         assert len(lines) == 1 and str(stopped / "checkpoint.fbk") in lines[0], out.stderr
         assert "--force" in lines[0] and "Traceback" not in out.stderr
+
+
+def test_a_damaged_metrics_file_is_one_line_naming_the_line(tmp_path):
+    """A torn last line (a stop mid-write) is the normal case and is dropped; a damaged line
+    before the end stops `fedbus run --resume` and `fedbus plot` with one line naming it,
+    where the records used to be cut short there in silence."""
+    from fedbus.record import DamagedFile
+    from fedbus.record.rundir import read_metrics
+
+    cfg = _config(tmp_path, "fedavg")
+    run_dir = tmp_path / "run"
+    fedbus("run", str(cfg), "--out", str(run_dir), "--quiet", "--set", "federation.rounds=3")
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines) + "\n" + lines[-1][:25])  # torn tail
+    assert len(read_metrics(run_dir)) == 3
+    path.write_text("\n".join([lines[0], "{not json", *lines[1:]]) + "\n")
+    with pytest.raises(DamagedFile, match=r"metrics.jsonl, line 2, is not a metrics record"):
+        read_metrics(run_dir)
+    (run_dir / "summary.json").unlink()  # as if it had stopped: a resume is asked for
+    for argv in (["run", "--resume", str(run_dir)], ["plot", str(run_dir)]):
+        out = fedbus(*argv, check=False, timeout=120)
+        assert out.returncode == 2, (argv, out.stderr)
+        assert "metrics.jsonl, line 2, is not a metrics record" in out.stderr
+        assert "Traceback" not in out.stderr
