@@ -33,6 +33,13 @@ Client i, per task:
            using local prototypes"): the sum, over the classes k of the minibatch
            that have a global prototype, of ||C_i,k - C-bar_k||_2, C_i,k the
            minibatch's mean feature of class k (gradients flow through the mean).
+    "eq8_mean" (FedProto as FedTGP's paper states it, its eq. 4: lam E_{c ~ C_i}
+           phi(P_i^c, P-bar^c), phi the Euclidean distance): the same distances as
+           "eq8", averaged over the minibatch's classes instead of summed; exactly
+           fedtgp's eq. 11 regulariser (`proto_loss = "paper"`) with FedProto's
+           aggregated prototypes in place of FedTGP's trained ones, so the two
+           algorithms can be compared at one regulariser form and lam (the
+           `fedtgp-hetero` recipe's "FedProto, FedTGP's eq. 4 regulariser" row).
   "eq8" was the default until it was measured (docs/RESULTS.md, docs/FIDELITY.md
   (fedproto)): at the paper's lam = 1 its pull, of norm lam per class in the batch
   whatever the distance, overwhelms the cross-entropy when a client holds many
@@ -121,7 +128,9 @@ from fedbus.algorithms.core.training import LocalClient, staleness_metrics
 PROTO_LOSS = opt("mse", "client regulariser: mse = App. B eq. 1 and the reference code "
                  "(per-sample MSE to the class's global prototype); eq8 = eq. 8 read literally "
                  "(sum over classes of the L2 distance between batch class means and global "
-                 "prototypes)", choices=("mse", "eq8"))
+                 "prototypes); eq8_mean = the same L2 distances averaged over the classes "
+                 "(FedProto as FedTGP's eq. 4 states it; fedtgp's proto_loss = paper)",
+                 choices=("mse", "eq8", "eq8_mean"))
 INFER_CLASSES = opt("all", "nearest-prototype inference over all classes with a global "
                     "prototype, or only the client's own training classes (reference code)",
                     choices=("all", "own"))
@@ -278,7 +287,8 @@ class FedProtoClient(LocalClient):
         sel = (n > 0) & self._has
         if not bool(sel.any()):
             return h.sum() * 0.0
-        return torch.linalg.vector_norm(means[sel] - g[sel], dim=1).sum()
+        distances = torch.linalg.vector_norm(means[sel] - g[sel], dim=1)
+        return distances.sum() if self.proto_loss == "eq8" else distances.mean()
 
     def local_protos(self) -> tuple[np.ndarray, np.ndarray]:
         """(protos float32 [C, D], counts int64 [C]) of this client's training set."""

@@ -196,6 +196,34 @@ def test_fedproto_eq8_regulariser_by_hand():
     assert loss == pytest.approx(ce + 0.5 * reg, rel=1e-5)
 
 
+def test_fedproto_eq8_mean_is_fedtgps_eq4_and_its_eq11_regulariser():
+    """proto_loss = "eq8_mean": FedTGP's eq. 4 statement of FedProto's loss, lam E_{c ~ C_i}
+    phi(P_i^c, P-bar^c): eq. 8's distances averaged over the batch's classes, by hand, and
+    the very function FedTGP's eq. 11 (fedtgp proto_loss = "paper") computes on the same
+    batch and prototypes: one form for the fedtgp-hetero recipe's like-for-like rows."""
+    from fedbus.algorithms.fedtgp import prototype_regulariser
+
+    part = digits_parts(4)[0]
+    h = get_algorithm("fedproto").client(client_ctx(0, part, {"lam": 0.1,
+                                                              "proto_loss": "eq8_mean"}))
+    g = np.random.default_rng(2).normal(size=(C, D)).astype(np.float32)
+    has = np.arange(C) < 7
+    h._global, h._has = h.global_protos(task_with(g, has))
+    h._reg = True
+    x, y = part[0][:40], part[1][:40]
+    with torch.no_grad():
+        feats = h.ctx.model.features(x)
+        ce = nn.functional.cross_entropy(h.ctx.model(x), y).item()
+        loss = h.batch_loss(x, y).item()
+        fedtgp_eq11 = prototype_regulariser(feats, y, torch.from_numpy(g),
+                                            torch.from_numpy(has), "paper").item()
+    distances = [float(np.linalg.norm(feats.numpy()[y.numpy() == k].mean(0) - g[k]))
+                 for k in sorted(set(y.tolist())) if has[k]]
+    assert len(distances) > 1  # a mean differs from eq. 8's sum here
+    assert loss == pytest.approx(ce + 0.1 * np.mean(distances), rel=1e-5)
+    assert loss == pytest.approx(ce + 0.1 * fedtgp_eq11, rel=1e-5)
+
+
 class Tiny(BodyHead):
     """A hand-made network on 2-d inputs: features(x) = x @ F.T + f (identity by default),
     head(h) = h @ W.T + b with the given 3 x 2 W. Everything it computes is a few lines

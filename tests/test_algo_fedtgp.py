@@ -256,3 +256,42 @@ def test_fedtgp_short_federation_learns():
     last = history[-1]
     # chance: 0.1 over all classes, 0.2 within a client's five
     assert last["proto_acc"] > 0.6 and last["acc"] > 0.5, history
+
+
+# --- the fedtgp-hetero recipe's like-for-like regulariser pairs ----------------------------
+
+def recipe_client(label, part, model, protos, has):
+    """A client of the fedtgp-hetero row `label`, with the row's resolved [algorithm] and
+    [train] settings (the recipe's lambda, form, lr 0.01, momentum 0, batch 10), trained one
+    epoch from `model`'s weights against the global prototypes (protos, has)."""
+    from fedbus.bench import reproduce as rp
+    from fedbus.node.config import build_config
+
+    recipe = rp.RECIPES["fedtgp-hetero"]
+    row = next(r for r in recipe.rows if r.label == label)
+    built = build_config(rp.sections(recipe, row, 0))
+    ctx = client_ctx(0, part, dict(built.algorithm), model=model)
+    ctx.train = dict(built.train)
+    h = get_algorithm(row.algorithm).client(ctx)
+    h.train(freeze({"protos": protos, "has": has}), LocalRun(ctx, epochs=1, seed=5))
+    return {k: v.detach().clone() for k, v in h.ctx.model.state_dict().items()}
+
+
+@pytest.mark.parametrize("fedtgp_row, fedproto_row, same", [
+    ("FedTGP, MSE regulariser", "FedProto", True),
+    ("FedTGP", "FedProto, FedTGP's eq. 4 regulariser", True),
+    ("FedTGP", "FedProto", False),  # the recipe's paper rows: different regularisers
+])
+def test_recipe_pairs_train_a_client_alike_on_the_same_prototypes(fedtgp_row, fedproto_row,
+                                                                  same):
+    """Within a like-for-like pair of the fedtgp-hetero recipe the two algorithms' clients
+    are the same learner: from the same weights, on the same batches and global prototypes,
+    they end bit for bit equal (so the rows differ only by how the server makes the
+    prototypes); the recipe's FedProto and FedTGP rows do not."""
+    part = digits_parts(4, ways=5)[0]
+    protos = np.random.default_rng(3).normal(size=(C, D)).astype(np.float32)
+    has = np.arange(C) < 8
+    weights = [recipe_client(label, part, make_model(0), protos, has)
+               for label in (fedtgp_row, fedproto_row)]
+    equal = all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert equal is same
