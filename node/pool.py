@@ -373,10 +373,13 @@ class ClientPool:
 
     def _stash(self, client: int, packed: Packed) -> Packed | Path:
         if self.evict_to == "disk" and self.spool is not None:
-            # torch.save writes the one storage the unpacked views share, once
+            # each tensor cloned out of the packed buffer: torch.save refuses views of one
+            # storage as different dtypes (float weights beside BatchNorm's int64 counter)
             path = self.spool / f"client-{client}.pt"
             tmp = path.with_suffix(".tmp")
-            torch.save(unpack_state(packed), tmp)
+            state = _map_leaves(unpack_state(packed),
+                                lambda x: x.clone() if isinstance(x, torch.Tensor) else x)
+            torch.save(state, tmp)
             os.replace(tmp, path)
             return path
         return packed

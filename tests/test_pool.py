@@ -18,11 +18,11 @@ from fedbus.node.setup import federated_data
 torch.set_num_threads(1)
 
 
-def _cfg(algorithm: str = "fedproto", clients: int = 6, **launch) -> object:
+def _cfg(algorithm: str = "fedproto", clients: int = 6, arch: str = "mlp", **launch) -> object:
     return build_config({
         "federation": {"clients": clients, "seed": 3},
         "data": {"dataset": "digits", "partition": "dirichlet", "alpha": 0.5},
-        "model": {"arch": "mlp"},
+        "model": {"arch": arch},
         "algorithm": {"name": algorithm},
         "train": {"momentum": 0.9, "batch_size": 16},
         "launch": launch,
@@ -71,6 +71,21 @@ def test_evicted_and_restored_clients_compute_bit_identical_updates(tmp_path, ev
     # 18 materialisations over two networks: the one evicted last and the newest's (a
     # client is measured, so materialised, before the budget can evict for it)
     assert tight.models.built == 2
+
+
+def test_a_state_of_several_dtypes_is_evicted_to_disk_and_restored(tmp_path):
+    """resnet8's BatchNorm counters (int64) sit beside float32 weights in one packed buffer:
+    the spool file must hold each as its own tensor (torch.save refused the views)."""
+    cfg = _cfg(arch="resnet8", clients=3)
+    order = [2, 0, 1]
+    roomy = ClientPool(cfg, torch.device("cpu"))
+    tight = ClientPool(cfg, torch.device("cpu"), max_resident=1, evict_to="disk",
+                       spool=tmp_path)
+    assert {t.dtype for t in roomy.get(0).ctx.model.state_dict().values()} >= \
+        {torch.float32, torch.int64}
+    roomy = ClientPool(cfg, torch.device("cpu"))
+    assert _federate(cfg, roomy, 2, order) == _federate(cfg, tight, 2, order)
+    assert tight.evictions >= 4 and tight.restores >= 3
 
 
 def test_the_budget_counts_what_a_client_holds_and_keeps_the_newest():
