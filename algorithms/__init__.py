@@ -50,6 +50,9 @@ BUILTIN: dict[str, str] = {
     "fedgen": "fedbus.algorithms.fedgen",
     "fedper": "fedbus.algorithms.fedper",
     "fedrep": "fedbus.algorithms.fedrep",
+    "fednh": "fedbus.algorithms.fednh",
+    "fedhkd": "fedbus.algorithms.fedhkd",
+    "fpl": "fedbus.algorithms.fpl",
     "noop": "fedbus.algorithms.noop",
 }
 
