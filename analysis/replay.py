@@ -36,6 +36,16 @@ from fedbus.record.msglog import LogCorrupt, Record, read_log
 from fedbus.node.server import build_engine, dispatch
 
 
+# Keys added since runs were first recorded, whose default is not what a run recorded
+# before them did: (section, key, algorithm or None) -> the behaviour those runs had. A
+# config.json that lacks such a key is read with this value, so a replayed client computes
+# what the logged one did. (A key whose default kept the old behaviour needs no entry.)
+LEGACY_VALUES: dict[tuple[str, str, str | None], Any] = {
+    ("train", "optimizer_state", None): "persist",  # issue 25: momentum carried over
+    ("algorithm", "proto_model", "fedavg-proto"): "local",  # issue 25: local models' means
+}
+
+
 def load_run(run_dir: str | Path) -> tuple[Config, str]:
     run_dir = Path(run_dir)
     try:
@@ -44,7 +54,34 @@ def load_run(run_dir: str | Path) -> tuple[Config, str]:
         raise FileNotFoundError(f"{run_dir} has no config.json: not a fedbus run directory") \
             from None
     run_id_path = run_dir / "run_id"
-    return build_config(raw), run_id_path.read_text().strip() if run_id_path.exists() else ""
+    return build_config(with_legacy_values(raw)), \
+        run_id_path.read_text().strip() if run_id_path.exists() else ""
+
+
+def with_legacy_values(raw: dict[str, Any]) -> dict[str, Any]:
+    """A run's saved config with LEGACY_VALUES filled in where it predates a key."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    algorithm = (out.get("algorithm") or {}).get("name")
+    for (section, key, only), value in LEGACY_VALUES.items():
+        table = out.setdefault(section, {})
+        if isinstance(table, dict) and key not in table and only in (None, algorithm):
+            table[key] = value
+    return out
+
+
+def _config_as_logged(body: Any, logged: Any) -> Any:
+    """A replayed config message's body without the config keys the logged one lacks: a
+    run recorded before a key existed sent its config without it, and the added key (at
+    its default, or its LEGACY_VALUES value) is not part of what is compared."""
+    if not (isinstance(body, dict) and isinstance(logged, dict)
+            and isinstance(body.get("config"), dict)
+            and isinstance(logged.get("config"), dict)):
+        return body
+    theirs = logged["config"]
+    config = {section: {k: v for k, v in table.items() if k in theirs.get(section, {})}
+              if isinstance(table, dict) and isinstance(theirs.get(section), dict) else table
+              for section, table in body["config"].items() if section in theirs}
+    return {**body, "config": config}
 
 
 class NoMessageLog(FileNotFoundError):
@@ -123,9 +160,10 @@ def _compare(out: Out, rec: Record, logged: Message) -> Divergence | None:
                                ("round", out.round, logged.round)):
         if mine != theirs:
             return Divergence(rec.index, logged.round, name, f"replay {mine!r}, log {theirs!r}")
-    body = encode_body(out.body)
+    mine = _config_as_logged(out.body, logged.body) if out.kind == "config" else out.body
+    body = encode_body(mine)
     if hashlib.sha256(body).digest() != hashlib.sha256(rec.frames[1]).digest():
-        where = _first_difference(out.body, logged.body) or "body"
+        where = _first_difference(mine, logged.body) or "body"
         return Divergence(rec.index, logged.round, where,
                           f"sha256 {hashlib.sha256(body).hexdigest()[:16]} != logged "
                           f"{hashlib.sha256(rec.frames[1]).hexdigest()[:16]}")

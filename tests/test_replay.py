@@ -487,3 +487,39 @@ def test_log_json_lines_are_the_index_with_a_summary(sync_run):
         [e for e in index(sync_run) if e["kind"] == "shutdown"]
     assert messages[0]["summary"] == {"reason": "run complete"}
     assert [ln["outcome"]["round"] for ln in lines if "outcome" in ln] == [0, 1, 2]
+
+
+def test_a_run_recorded_before_a_config_key_existed_still_replays(sync_run, monkeypatch,
+                                                                  tmp_path):
+    """A key added to the schema after a run was recorded: the replayed server's config
+    message carries it, the logged one does not. Replay compares the keys the run knew,
+    so the run still replays identically, and a change to one of them is still caught."""
+    from fedbus.algorithms.core.params import Opt
+    from fedbus.analysis import replay as rp
+    from fedbus.node import config as config_mod
+
+    monkeypatch.setitem(config_mod.SCHEMA["train"], "added_since", Opt(3, "a key from later"))
+    result = rp.replay_server(sync_run)
+    assert result.divergence is None, result.divergence
+    cfg, _ = rp.load_run(sync_run)
+    assert cfg.train.added_since == 3  # the replayed server does have it
+    altered = tmp_path / "altered"
+    shutil.copytree(sync_run, altered)
+    raw = json.loads((altered / "config.json").read_text())
+    raw["train"]["lr"] = raw["train"]["lr"] * 2
+    (altered / "config.json").write_text(json.dumps(raw))
+    diverged = rp.replay_server(altered).divergence
+    assert diverged is not None and diverged.field == "body.config.train.lr", diverged
+
+
+def test_legacy_values_fill_only_keys_a_run_predates():
+    from fedbus.analysis.replay import with_legacy_values
+
+    old = {"train": {"lr": 0.1}, "algorithm": {"name": "fedavg-proto"}}
+    filled = with_legacy_values(old)
+    assert filled["train"]["optimizer_state"] == "persist"  # the behaviour it had
+    assert filled["algorithm"]["proto_model"] == "local"
+    assert "optimizer_state" not in old["train"]  # the input is not changed
+    new = {"train": {"optimizer_state": "fresh"}, "algorithm": {"name": "fedproto"}}
+    assert with_legacy_values(new)["train"]["optimizer_state"] == "fresh"
+    assert "proto_model" not in with_legacy_values(new)["algorithm"]  # fedavg-proto's only
