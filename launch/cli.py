@@ -142,9 +142,15 @@ def console_main() -> None:
     import logging
     import os
 
-    code = main()
-    logging.shutdown()
-    sys.stdout.flush()
+    try:
+        code = main()
+        logging.shutdown()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # the reader left (`fedbus log RUN | head`): stop quietly, as a shell tool does
+        # (128 + SIGPIPE), without a traceback for output nobody reads
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 141
     sys.stderr.flush()
     os._exit(code)
 

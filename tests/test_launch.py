@@ -75,3 +75,14 @@ def test_started_processes_ignore_a_look_alike_package_in_the_working_directory(
                           text=True, timeout=120)
     assert safe.returncode == 0 and "SHADOWED" not in safe.stdout
     assert safe.stdout.startswith("fedbus "), safe.stdout
+
+
+def test_a_reader_that_leaves_early_ends_the_command_quietly():
+    """`fedbus algorithms | head -1`: the pipe closes under the writer; the command stops
+    with 128 + SIGPIPE and no traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "fedbus.launch", "algorithms"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
+    proc.stdout.close()  # before it writes: every write meets a closed pipe
+    err = proc.stderr.read().decode()
+    assert proc.wait(120) == 141, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
