@@ -188,7 +188,15 @@ def _config(config_file: str | None, overrides: list[str], where: str) -> dict[s
     try:
         cfg = load_config(config_file, overrides)
     except ConfigError as err:
-        raise ConfigError(f"{err}{where}") from None
+        hint = ""
+        if str(err).startswith("unknown key algorithm.") and \
+                any(o.startswith("algorithm.name=") for o in overrides):
+            # e.g. a FedProto CONFIG's lam, unknown to FedAvg: a grid over algorithms
+            # needs a base every one of them takes
+            hint = ("; the CONFIG's [algorithm] keys must suit every algorithm of the grid: "
+                    "keep one algorithm's own keys out of it (or give them with --grid as "
+                    "well), e.g. start from examples/fedavg-mnist-offline.toml")
+        raise ConfigError(f"{err}{where}{hint}") from None
     return json.loads(json.dumps(cfg.to_dict()))
 
 

@@ -429,3 +429,15 @@ def test_a_folder_of_runs_expands_and_a_run_named_twice_counts_once(tmp_path):
     selection = stats.select_runs([tmp_path / "runs", tmp_path / "runs" / "x"])
     assert [r.name for r in selection.runs] == ["x", "y"]
     assert any("named twice" in n for n in selection.notes)
+
+
+def test_a_base_config_with_one_algorithms_keys_gets_a_hint_for_the_grid(tmp_path):
+    """A FedProto CONFIG (its lam) swept over algorithm.name: FedAvg refuses lam, and the
+    one line says what to do about it."""
+    cfg = write_config(tmp_path / "proto.toml",
+                       {**TINY, "algorithm": {"name": "fedproto", "lam": 1.0}})
+    code, _, stderr = call(["sweep", str(cfg), "--grid", "algorithm.name=fedavg,fedproto",
+                            "--out", str(tmp_path / "o")])
+    assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
+    assert "unknown key algorithm.lam" in stderr
+    assert "must suit every algorithm of the grid" in stderr
