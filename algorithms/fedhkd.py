@@ -255,6 +255,10 @@ class FedHKDServer(FedAvgServer):
     # eq. 1 and eq. 9 are weighted sums: a relay pre-aggregates them and secure aggregation
     # sums them (fedbus.algorithms.core.merge), unless aggregate = "last" (`merges`)
     MERGE = HyperKnowledgeSums()
+    # the upload is a weight delta beside prototypes and soft predictions: neither fedbus DP
+    # mechanism covers it (FedAvg's "client" level, which this class would otherwise appear
+    # to inherit, sums the delta alone)
+    DP_LEVELS: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def merges(cls, params: Mapping[str, Any]) -> bool:
