@@ -17,8 +17,13 @@ nway-kshot (ways, ways_std, shots, shots_std) -- FedProto's (Tan et al., AAAI 20
     samples come only from the client's own classes, out of the held-out pools: per class, each
     client asks for round(k * tf / (1 - tf)) (so its own train/test ratio is 75/25 by default);
     when a class's pool cannot serve every request, it is shared in proportion to the requests.
-    (FedProto's code draws n_i, k_i uniformly in [ways - stdev, ways + stdev]; the Gaussian
-    here follows its paper's "average n with a standard deviation".)
+    (FedProto's paper says only that each client's n and k are an average "plus random
+    noise" with a standard deviation of 1 or 2; the Gaussian here is that description. The
+    paper sets no lower bound, so n_i = 1 happens: at ways 3, ways_std 2 with probability
+    P(N(3, 2) < 1.5) = 22.7 %, 3, 4 and 5 clients of 20 at the tan-table1 recipe's seeds
+    0, 1, 2. FedProto's code, exps/federated_main.py, draws n_i uniformly in
+    [max(2, ways - stdev), min(classes, ways + stdev)], never one class, and on MNIST k_i
+    uniformly in [shots - stdev + 1, shots + stdev - 1).)
 dirichlet (alpha, min_samples) -- PFLlib/MOON label skew
     For each class, proportions p ~ Dir(alpha * 1); clients already holding N/num_clients or
     more samples get none of it; the class is cut at the cumulative proportions. Repeated
