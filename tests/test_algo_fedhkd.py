@@ -534,3 +534,17 @@ def test_async_federation_with_a_slow_client(tmp_path):
     evals = _eval_results(run)
     assert all(0.0 <= m["global_acc"] <= 1.0 for m in evals[max(evals)])
     assert "replay identical: " in fedbus("replay", str(run)).stdout
+
+
+def test_merge_declaration_serves_secure_aggregation(tmp_path):
+    """Eq. 1 and eq. 9 are sums: under secure aggregation the server sees only the round's
+    masked total of HyperKnowledgeSums' forms, and still builds its knowledge from it."""
+    from helpers import SMALL, fedbus, merged, metrics, run_federation
+    cfg = merged(SMALL, federation={"clients": 4, "rounds": 2, "eval_every": 2},
+                 algorithm={"name": "fedhkd"}, privacy={"secure_aggregation": True})
+    run, summary = run_federation(tmp_path, cfg, timeout=240)
+    recs = metrics(run)
+    assert summary["rounds_completed"] == 2
+    assert all(r["secagg"]["survivors"] == 4 and "failed" not in r["secagg"] for r in recs)
+    assert all(r["participants"] == [0, 1, 2, 3] and r["agg"]["classes"] >= 1 for r in recs)
+    assert "replay identical: " in fedbus("replay", str(run)).stdout
