@@ -443,19 +443,24 @@ def test_fednh_sync_with_a_folded_straggler_learns_and_replays(tmp_path):
     assert_identical(run, rounds=3)
 
 
-def test_fednh_async_with_a_slow_client_learns(tmp_path):
-    cfg = merged(TINY, federation={"mode": "async", "concurrency": 3, "buffer": 2, "rounds": 4,
-                                   "eval_every": 4},
+def test_fednh_async_with_a_slow_client_learns_and_replays(tmp_path):
+    from test_replay import assert_identical
+
+    # 6 aggregations of 2 one-epoch updates: which updates are stale depends on timing, so
+    # the accuracy varies from run to run (0.41 to 0.67 in five runs; 0.31 to 0.49 with 4)
+    cfg = merged(TINY, federation={"mode": "async", "concurrency": 3, "buffer": 2, "rounds": 6,
+                                   "eval_every": 6},
                  system={"slow_clients": [SLOW], "slow_factor": 20.0})
     run, summary = run_federation(tmp_path, cfg, timeout=240)
     recs = metrics(run)
-    assert summary["rounds_completed"] == 4
-    assert [r["version"] for r in recs] == [1, 2, 3, 4]
+    assert summary["rounds_completed"] == 6
+    assert [r["version"] for r in recs] == [1, 2, 3, 4, 5, 6]
     assert all(r["updates"] == 2 for r in recs)
     for r in recs:
         for client, version, staleness, weight in r["stale"]:
             assert staleness >= 1 and weight == pytest.approx(1 / math.sqrt(1 + staleness))
-    assert summary["final"]["acc_mean"] > 0.2, summary["final"]  # chance 0.1
+    assert summary["final"]["acc_mean"] > 0.25, summary["final"]  # chance 0.1
+    assert_identical(run, rounds=6)  # replay follows the log, whatever the timing was
 
 
 def test_fednh_through_two_relays_gives_the_flat_federation(tmp_path):
