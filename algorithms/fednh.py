@@ -9,8 +9,9 @@ Where that text is silent, the authors' code is the specification: github.com/Yu
 `FedNHServer.aggregate`), FedUH.py (`FedUHClient._initialize_model`, `FedUHClient.training`),
 models/CNN.py (`Conv2CifarNH.forward`), utils.py (`setup_optimizer`), strategies/FedAvg.py
 (`FedAvgServer.aggregate`), main.py and experiments/gen_script.py / FedNH_dir.sh (the settings
-of the paper's runs). Every place the code is followed because the text here is silent says
-"(code)"; the audit, paper | code | fedbus per equation: docs/FIDELITY.md (fednh).
+of the paper's runs). Each choice below that the text here leaves open names the code's
+function or setting it follows ("code", "the code's"); the audit, paper | code | fedbus per
+equation: docs/FIDELITY.md (fednh).
 
 The model (Algorithm 1 line 1: "the body theta; the head W in R^{|C| x d}"). The body is the
 fedbus network's `features` (every weight not under its `head_module`, buffers included); its
@@ -54,8 +55,8 @@ Client k, per task (Algorithm 1 line 6, (theta_k, mu_k) <- ClientUpdate(theta, W
   (version) r is PARAM `lr_schedule`:
       "diminishing" (default; the paper runs' --client_lr_scheduler): train.lr * lr_decay^r,
                     PARAM `lr_decay` (default 0.99, the code's yaml lr_decay_per_round);
-      "stepwise"    (main.py's default scheduler): train.lr for r + 1 < rounds // 2, then
-                    train.lr / 10;
+      "stepwise"    (main.py's default scheduler): train.lr while r + 1 < rounds // 2 (the
+                    code counts rounds from 1), then train.lr / 10;
       "constant":   train.lr.
 - uploads (code, `FedNHClient._estimate_prototype`) after training, one eval-mode pass over its
   training set: mu_{k,c} = normalize(mean over its samples of class c of normalize(f(x))) for
@@ -270,8 +271,9 @@ class FedNHServer(Params, ServerHandler):
         "clip_norm": opt(10.0, "clip each local step's gradient to this global L2 norm (the "
                          "code's max_norm = 10); 0 = no clipping", min=0.0),
         "lr_schedule": opt("diminishing", "client lr of a round-r task: diminishing = train.lr x "
-                           "lr_decay^r (the paper runs' scheduler); stepwise = train.lr, then "
-                           "train.lr / 10 from round rounds // 2 (main.py's default); constant",
+                           "lr_decay^r (the paper runs' scheduler); stepwise = train.lr while "
+                           "r + 1 < rounds // 2, then train.lr / 10 (main.py's default); "
+                           "constant",
                            choices=("diminishing", "stepwise", "constant")),
         "lr_decay": opt(0.99, "decay per round of the diminishing schedule (the code's "
                         "lr_decay_per_round = 0.99)", min=0.0, max=1.0),
