@@ -1333,9 +1333,10 @@ def embedding_clients(targets: list[int], most: int) -> list[int]:
 
 # Client metrics summarised over clients: the head ("acc"), nearest prototype
 # ("proto_acc"), the auxiliary model of FML/FedKD ("aux_acc"), FedGH's two headers
-# ("local_head_acc", "global_head_acc"), segmentation's mIoU ("miou", "proto_miou").
-METRIC_KEYS = ("acc", "proto_acc", "aux_acc", "local_head_acc", "global_head_acc", "loss",
-               "miou", "proto_miou")
+# ("local_head_acc", "global_head_acc"), FedHKD's global model ("global_acc"),
+# segmentation's mIoU ("miou", "proto_miou").
+METRIC_KEYS = ("acc", "proto_acc", "aux_acc", "local_head_acc", "global_head_acc",
+               "global_acc", "loss", "miou", "proto_miou")
 
 
 def summarise_eval(per_client: dict[int, dict[str, Any]]) -> dict[str, Any]:

@@ -41,8 +41,8 @@ import numpy as np
 MAX_DEPTH = 32
 PROTOTYPE_KEYS = ("protos", "protos_before")
 # Rates a client reports from its test set; the rest of METRIC_KEYS are losses.
-RATE_METRICS = ("acc", "proto_acc", "aux_acc", "local_head_acc", "global_head_acc", "miou",
-                "proto_miou")
+RATE_METRICS = ("acc", "proto_acc", "aux_acc", "local_head_acc", "global_head_acc",
+                "global_acc", "miou", "proto_miou")
 MAX_METRICS = 64  # keys in one evaluation's metrics
 MAX_LOSS = 1e9
 MAX_WORK = float(1 << 53)  # a work report's numbers stay exact as floats

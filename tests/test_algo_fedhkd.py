@@ -465,8 +465,8 @@ SLOW = 2
 
 
 def _eval_results(run) -> dict[int, list[dict]]:
-    """Every client's eval metrics per version, from `fedbus log RUN --json` (the message
-    log keeps "global_acc", which metrics.jsonl's summary does not list)."""
+    """Every client's eval metrics per version, from `fedbus log RUN --json` (what each
+    client reported, before the server's summary over clients)."""
     from helpers import fedbus
     out = fedbus("log", str(run), "--kind", "eval_result", "--json").stdout
     rows = [json.loads(line) for line in out.splitlines() if line.strip()]
@@ -508,6 +508,9 @@ def test_sync_federation_with_a_folded_straggler_learns_and_replays(tmp_path):
     final = evals[max(evals)]
     assert all("global_acc" in m for m in final)
     assert _weighted(final, "global_acc") > 0.2, final
+    # and the server summarises it over clients like acc (metrics.jsonl, summary.json)
+    last = [r for r in recs if "acc_mean" in r][-1]
+    assert last["global_acc_weighted"] == pytest.approx(_weighted(final, "global_acc"))
     # the server replays bit for bit, and a client's update (its noise included)
     assert "replay identical: " in fedbus("replay", str(run)).stdout
     client = fedbus("replay", str(run), "--client", "1", "--round", "2").stdout
