@@ -319,7 +319,9 @@ def run_task(handler: ClientHandler, body: dict[str, Any]) -> tuple[dict[str, An
     run = LocalRun(handler.ctx, epochs=int(body["epochs"]), seed=int(body["seed"]),
                    epochs_to_run=float(sim.get("epochs_to_run", body["epochs"])),
                    budget_s=float(body.get("budget_s", 0.0)),
-                   slow_factor=float(sim.get("slow_factor", 1.0)))
+                   slow_factor=float(sim.get("slow_factor", 1.0)),
+                   lr_factor=float(handler.ctx.train.get("lr_decay", 1.0))
+                   ** int(body["version"]))
     payload = handler.train(body["payload"], run)
     took = run.elapsed()
     privacy = handler.ctx.extra.get("privacy")

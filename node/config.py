@@ -96,6 +96,10 @@ SCHEMA: dict[str, dict[str, Opt]] = {
         "lr": Opt(0.01, "local learning rate", min=0.0),
         "momentum": Opt(0.5, "SGD momentum", min=0.0, max=1.0),
         "weight_decay": Opt(0.0, "SGD weight decay", min=0.0),
+        "lr_decay": Opt(1.0, "every client optimizer's learning rate at a task of round r "
+                        "is multiplied by lr_decay^r (1 = off), on top of an algorithm's own "
+                        "schedule (MP-FedCL's and FedNH's lr_decay: set theirs to 1 to give "
+                        "every method this one)", min=0.0, max=1.0),
         "optimizer_state": Opt("fresh", "what a client's optimizers (their momentum buffers) "
                                "hold when a local run starts: fresh = nothing, a new "
                                "optimizer per task (FedProto's and HtFLlib's code; the "

@@ -246,7 +246,7 @@ class ClientContext:
         self.optimizers.append(optimizer)
         return optimizer
 
-    def start_local_run(self) -> None:
+    def start_local_run(self, lr_factor: float = 1.0) -> None:
         """What a client's optimizers hold when a local run starts. train.optimizer_state =
         "fresh" (default): nothing, as a new optimizer; FedProto's reference code
         (lib/update.py, update_weights_het) and HtFLlib build one per local update, and
@@ -254,10 +254,25 @@ class ClientContext:
         state is building it anew: torch's SGD starts a momentum buffer (Adam its moments
         and step) at the first step after, and the param groups (lr, a handler's
         per-round lr) stay as set. "persist": the momentum buffers carry over from the
-        client's previous local run (fedbus before issue 25)."""
+        client's previous local run (fedbus before issue 25). `lr_factor`: train.lr_decay^r
+        for a task of round r (LocalRun.lr_factor; 1 = the rates as they are)."""
         if self.train.get("optimizer_state", "fresh") == "fresh":
             for optimizer in self.optimizers:
                 optimizer.state.clear()
+        if lr_factor != 1.0:
+            self._scale_lr(lr_factor)
+
+    def _scale_lr(self, factor: float) -> None:
+        """train.lr_decay: each param group runs at its base rate x factor. The base is the
+        rate the group had, unless that is the rate this method set last time (a handler
+        that leaves the rate alone): then the base is the one it scaled, so the decay never
+        compounds, and a handler's own per-round rate (MP-FedCL's) is scaled in turn."""
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                base = group["fedbus_base_lr"] if group.get("fedbus_lr") == group["lr"] \
+                    else group["lr"]
+                group["fedbus_base_lr"] = base
+                group["lr"] = group["fedbus_lr"] = base * factor
 
 
 class LocalRun:
@@ -274,8 +289,10 @@ class LocalRun:
 
     def __init__(self, ctx: ClientContext, *, epochs: int, seed: int,
                  epochs_to_run: float | None = None, budget_s: float = 0.0,
-                 slow_factor: float = 1.0, clock: Callable[[], float] = time.monotonic):
+                 slow_factor: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 lr_factor: float = 1.0):
         self.ctx = ctx
+        self.lr_factor = float(lr_factor)  # train.lr_decay ** round (start_local_run)
         self.epochs = int(epochs)
         self.epochs_to_run = float(epochs if epochs_to_run is None else epochs_to_run)
         self.budget_s = float(budget_s)
@@ -295,7 +312,7 @@ class LocalRun:
     def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         # every local step goes through here (DP-SGD's Poisson batches and FedRep's head
         # run too), so this is where a run's optimizers start as train.optimizer_state says
-        self.ctx.start_local_run()
+        self.ctx.start_local_run(self.lr_factor)
         n = len(self.ctx.train_y)
         if n == 0 or self.epochs == 0:
             return
