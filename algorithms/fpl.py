@@ -21,7 +21,7 @@ Client m, per task (Algorithm 1, LocalUpdating):
       L_CE   = CE(g(z_i), y_i)                                        (eq. 11)
       L_CPCL = -log( sum_{c in P^k} exp(s(z_i, c))
                      / sum_{c in P} exp(s(z_i, c)) )                  (eq. 8, k = y_i)
-      s(z, c) = z . c / (||z|| ||c|| / tau)                           (eq. 7)
+      s(z, c) = (z . c / (||z|| ||c||)) / tau                         (eq. 7)
       L_UPCR = sum_{v=1}^{d} (z_{i,v} - U^k_v)^2                      (eq. 10)
   z_i = f(x_i) the features (`model.features`), P = every class's cluster prototypes, the
   negatives N^k = P - P^k the other classes' clusters. Each term is averaged over the
@@ -36,7 +36,11 @@ Client m, per task (Algorithm 1, LocalUpdating):
     "mean" (the code's `nn.MSELoss()(f_now, mean_f_pos)`): the same averaged over the d
            dimensions, i.e. eq. 10 divided by d (512 for the paper's ResNet-10).
   The contrastive term is computed as log-sum-exp differences (mathematically eq. 8; the
-  code exponentiates directly, which at tau = 0.02 stays finite, |s| <= 50).
+  code exponentiates directly, which at tau = 0.02 stays finite, |s| <= 50). Eq. 7 as
+  printed, z . c / (||z|| x ||c|| / tau), would be the cosine times tau; it is read as the
+  cosine over tau, the usual temperature, which the code computes
+  (`cosine_similarity(...) / self.infoNCET`) and Sec. 4.2 implies (smaller tau, sharper
+  and at tau = 0.01 numerically unstable, "L = NaN").
 - then its local prototypes (eq. 2; Algorithm 1's last loop "Local prototypes"):
   c_m^k = mean of f_m(x) over its samples of class k. PARAM `proto_source`:
     "after"  (default; Algorithm 1: computed after the T local epochs with the trained
