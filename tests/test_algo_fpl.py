@@ -13,7 +13,7 @@ from torch import nn
 
 from algo_support import (BodyHead, TRAIN, check_spec, client_ctx, digits_parts, freeze,
                           server_ctx, update)
-from helpers import SMALL, merged, metrics, run_federation
+from helpers import SMALL, fedbus, merged, metrics, run_federation
 
 from fedbus.algorithms import get_algorithm
 from fedbus.algorithms.core.handlers import ClientContext, LocalRun, RoundInfo
@@ -319,6 +319,34 @@ def test_one_task_on_digits_uploads_eq2_prototypes_and_is_seeded():
     assert set(ev) >= {"acc", "loss"} and 0.0 <= ev["acc"] <= 1.0
 
 
+def test_code_prototypes_of_a_run_cut_mid_epoch_use_the_last_complete_epoch():
+    """proto_source = "during" (the code's): the features of the last complete local epoch's
+    steps; a run of 1.5 epochs uses its first epoch's, the class means of what it saw."""
+    part = digits_parts(4, ways=5)[1]
+    s = ALGO.server(server_ctx({"proto_source": "during"}))
+    h = ALGO.client(client_ctx(1, part, {"proto_source": "during"}))
+    seen = []
+    orig = h.ctx.model.features
+
+    def features(x):  # record each step's features (train mode, before the step)
+        z = orig(x)
+        seen.append(z.detach().clone())
+        return z
+
+    h.ctx.model.features = features
+    run = LocalRun(h.ctx, epochs=2, seed=5, epochs_to_run=1.5)
+    per = run.steps_per_epoch()
+    batches = list(LocalRun(h.ctx, epochs=2, seed=5, epochs_to_run=1.5).batches())
+    seen.clear()
+    up = h.train(freeze(s.make_task(1, RoundInfo(0, 3))), run)
+    assert run.work.stopped == "partial" and run.work.steps == len(batches) > per
+    z = torch.cat(seen[:per]).numpy().astype(np.float64)
+    y = torch.cat([b[1] for b in batches[:per]]).numpy()
+    for k in np.unique(y):
+        np.testing.assert_allclose(up["protos"][k], z[y == k].mean(0), atol=1e-5)
+    np.testing.assert_array_equal(up["counts"], np.bincount(part[1].numpy(), minlength=10))
+
+
 # --- real federations ----------------------------------------------------------------------------
 
 SLOW = 2  # the straggler
@@ -354,6 +382,9 @@ def test_fpl_sync_with_a_folded_straggler_learns_and_replays(tmp_path):
     assert all(r["agg"]["classes_received"] > 0 and r["agg"]["clusters"] >= 1 for r in recs)
     assert summary["final"]["acc_mean"] > 0.3, summary["final"]  # chance 0.1
     assert_identical(run, rounds=3)
+    # and one client's local update of a round with prototypes, bit for bit
+    client = fedbus("replay", str(run), "--client", "1", "--round", "2").stdout
+    assert "update identical" in client, client
 
 
 def test_fpl_async_with_a_slow_client_learns_and_replays(tmp_path):
