@@ -133,7 +133,8 @@ import torch.nn.functional as F
 
 from fedbus.algorithms import Algorithm
 from fedbus.algorithms.core.handlers import (ClientUpdate, Failure, LocalRun, RoundInfo,
-                                             load_weights, to_tensor, weight_delta)
+                                             classification_only, load_weights, to_tensor,
+                                             weight_delta)
 from fedbus.algorithms.core.merge import DeltaSums, PrototypeSums, weighted_sum
 from fedbus.algorithms.core.metrics import head_metrics
 from fedbus.algorithms.core.params import opt, resolved_params
@@ -393,9 +394,7 @@ class FedHKDClient(FedAvgClient):
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        if ctx.train_y.dim() != 1:
-            raise ValueError("fedhkd is for classification (one label per sample); "
-                             "segmentation masks are not supported")
+        classification_only(ctx, "fedhkd")
         self.num_classes = ctx.num_classes
         self.lam = float(self.param("lam"))
         self.gamma = float(self.param("gamma"))

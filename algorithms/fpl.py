@@ -114,7 +114,8 @@ import torch.nn.functional as F
 
 from fedbus.algorithms import Algorithm
 from fedbus.algorithms.core.handlers import (ClientUpdate, Failure, LocalRun, RoundInfo,
-                                             load_weights, to_tensor, weight_delta)
+                                             classification_only, load_weights, to_tensor,
+                                             weight_delta)
 from fedbus.algorithms.core.params import opt
 from fedbus.algorithms.core.protos import class_counts, class_sums, local_prototypes
 from fedbus.algorithms.core.training import staleness_metrics
@@ -354,9 +355,7 @@ class FPLClient(FedAvgClient):
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        if ctx.train_y.dim() != 1:
-            raise ValueError("fpl is for classification (one label per sample); "
-                             "segmentation masks are not supported")
+        classification_only(ctx, "fpl")
         self.num_classes = ctx.num_classes
         self.temperature = float(self.param("temperature"))
         self.w_cpcl = float(self.param("cpcl_weight"))

@@ -439,6 +439,14 @@ class ClientHandler:
 
 # --- helpers shared by handlers -------------------------------------------------
 
+def classification_only(ctx: ClientContext, algorithm: str) -> None:
+    """ValueError unless every sample has one label: a method whose prototypes or
+    knowledge are per class of an image, not per pixel (segmentation)."""
+    if ctx.train_y.dim() != 1:
+        raise ValueError(f"{algorithm} is for classification (one label per sample); "
+                         f"segmentation masks are not supported")
+
+
 def to_tensor(value: Any, device: torch.device | str = "cpu",
               dtype: torch.dtype | None = None) -> torch.Tensor:
     """A wire array (read-only numpy view) as a fresh tensor on `device`."""
