@@ -199,7 +199,6 @@ def _log_minor_label(x: float, _pos: Any = None) -> str:
 
 def plot_accuracy(runs: list[RunData], axis: str, path: Path, report: Report) -> None:
     """axis: "round" or "time" (wall seconds since the server started)."""
-    from matplotlib.ticker import MaxNLocator, PercentFormatter
     xkey = "round" if axis == "round" else "wall_s"
     fig = _figure(9.0, 5.2)
     ax = fig.add_subplot()
@@ -230,15 +229,7 @@ def plot_accuracy(runs: list[RunData], axis: str, path: Path, report: Report) ->
         if not any(_num(r.get("acc_mean")) is not None or _num(r.get("proto_acc_mean"))
                    is not None for r in run.records):
             report.skipped.append(f"{path.name}: {run.label} has no evaluated rounds")
-    ax.set_xlabel("round (0-based, as in metrics.jsonl)" if axis == "round"
-                  else "wall time since the server started (s)")
-    if axis == "round":
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_ylabel("test accuracy (mean over clients)")
-    ax.yaxis.set_major_formatter(PercentFormatter(xmax=1.0))
-    lo, hi = ax.get_ylim()
-    ax.set_ylim(max(lo, 0.0), min(hi, 1.02))
-    ax.grid(True, alpha=0.3)
+    _accuracy_axes(ax, axis, "wall time since the server started (s)")
     title = f"Test accuracy against {what}"
     if single:
         title = f"{runs[0].label}: test accuracy against {what}"
@@ -298,7 +289,6 @@ def plot_group_accuracy(groups: dict[str, list[RunData]], axis: str, path: Path,
     """One mean curve per group and metric, shaded between the group's lowest and highest
     run (min-max: with a few seeds a std band would claim more than the runs show)."""
     from matplotlib.patches import Patch
-    from matplotlib.ticker import MaxNLocator, PercentFormatter
     fig = _figure(9.0, 5.2)
     ax = fig.add_subplot()
     drawn = 0
@@ -324,15 +314,8 @@ def plot_group_accuracy(groups: dict[str, list[RunData]], axis: str, path: Path,
     if not drawn:
         report.skipped.append(f"{path.name}: no evaluated rounds in any group")
         return
-    ax.set_xlabel("round (0-based, as in metrics.jsonl)" if axis == "round"
-                  else "wall time since the server started (s; mean over the group's runs)")
-    if axis == "round":
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_ylabel("test accuracy (mean over clients)")
-    ax.yaxis.set_major_formatter(PercentFormatter(xmax=1.0))
-    lo, hi = ax.get_ylim()
-    ax.set_ylim(max(lo, 0.0), min(hi, 1.02))
-    ax.grid(True, alpha=0.3)
+    _accuracy_axes(ax, axis, "wall time since the server started (s; mean over the group's "
+                   "runs)")
     ax.set_title(f"Test accuracy against {'round' if axis == 'round' else 'wall time'}, "
                  "by group\n(line: mean over the group's runs; shaded: min-max over them)",
                  fontsize=11)
@@ -958,3 +941,18 @@ def plot_runs(runs: list[RunData], out: Path, *, tsne: bool = True,
         if tsne:
             plot_tsne(run, out / f"tsne{suffix}.png", report, max_points=tsne_points)
     return report
+
+
+def _accuracy_axes(ax: Any, axis: str, time_label: str) -> None:
+    """The accuracy figures' axes: rounds (0-based) or wall time across, accuracy in %
+    up, clipped to [0, 102 %]."""
+    from matplotlib.ticker import MaxNLocator, PercentFormatter
+
+    ax.set_xlabel("round (0-based, as in metrics.jsonl)" if axis == "round" else time_label)
+    if axis == "round":
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel("test accuracy (mean over clients)")
+    ax.yaxis.set_major_formatter(PercentFormatter(xmax=1.0))
+    lo, hi = ax.get_ylim()
+    ax.set_ylim(max(lo, 0.0), min(hi, 1.02))
+    ax.grid(True, alpha=0.3)
