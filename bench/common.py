@@ -171,17 +171,21 @@ def stale(run_dir: Path, sections: dict[str, dict[str, Any]]) -> str:
     """Why RUN's saved config.json no longer is what `sections` build today ("" when it
     is): a run name hashes only the sections a benchmark sets, so a changed default (say
     an algorithm's) would otherwise let an old run stand in for a new one."""
+    from fedbus.analysis.replay import with_legacy_values
     from fedbus.node.config import build_config
 
     try:
         saved = json.loads((Path(run_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return ""
+    # a key added since with a default that changed the behaviour (train.optimizer_state)
+    # is read with the value the old run had, as replay reads it
+    saved = with_legacy_values(saved)
     today = json.loads(json.dumps(build_config(sections).to_dict()))
     for section in COMPUTING:
         old, new = saved.get(section, {}), today.get(section, {})
-        # A key only one side has is an option added (or dropped) since: an added one
-        # defaults to the old behaviour, so only a value both sides have can differ.
+        # Any other key only one side has is an option added (or dropped) since: an added
+        # one defaults to the old behaviour, so only a value both sides have can differ.
         changed = sorted(k for k in set(old) & set(new) if old[k] != new[k])
         if changed:
             return f"[{section}] " + ", ".join(

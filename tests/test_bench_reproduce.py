@@ -298,6 +298,12 @@ def test_a_run_whose_defaults_changed_is_stale_not_reused(tmp_path):
     del saved["algorithm"]["infer_classes"]
     (run / "config.json").write_text(json.dumps(saved))
     assert stale(run, cfg) == ""
+    # an option added since whose default changed the behaviour: the old run had the old
+    # one (train.optimizer_state: momentum carried over), so it is stale
+    del saved["train"]["optimizer_state"]
+    (run / "config.json").write_text(json.dumps(saved))
+    assert stale(run, cfg) == "[train] optimizer_state: 'persist' then, 'fresh' now"
+    saved["train"]["optimizer_state"] = "fresh"
     # a default that changed since: the old run computed something else
     saved["algorithm"]["proto_loss"] = "eq8"
     (run / "config.json").write_text(json.dumps(saved))
