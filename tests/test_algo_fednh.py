@@ -452,10 +452,13 @@ def test_fednh_sync_with_a_folded_straggler_learns_and_replays(tmp_path):
 def test_fednh_async_with_a_slow_client_learns_and_replays(tmp_path):
     from test_replay import assert_identical
 
-    # 6 aggregations of 2 one-epoch updates: which updates are stale depends on timing, so
-    # the accuracy varies from run to run (0.41 to 0.67 in five runs; 0.31 to 0.49 with 4)
+    # 6 aggregations of 2 one-epoch updates. Every client holds 3 classes (ways_std 0): with
+    # SMALL's spread, client 0 holds one class, trains 2 steps a task, so it is in nearly every
+    # buffer of 2 and pulls the averaged body to its class (acc_mean 0.13-0.41 over runs);
+    # with 3 classes each, 0.48-0.68 in three runs (timing decides which updates are stale)
     cfg = merged(TINY, federation={"mode": "async", "concurrency": 3, "buffer": 2, "rounds": 6,
                                    "eval_every": 6},
+                 data={"ways_std": 0.0},
                  system={"slow_clients": [SLOW], "slow_factor": 20.0})
     run, summary = run_federation(tmp_path, cfg, timeout=240)
     recs = metrics(run)
@@ -465,7 +468,7 @@ def test_fednh_async_with_a_slow_client_learns_and_replays(tmp_path):
     for r in recs:
         for client, version, staleness, weight in r["stale"]:
             assert staleness >= 1 and weight == pytest.approx(1 / math.sqrt(1 + staleness))
-    assert summary["final"]["acc_mean"] > 0.25, summary["final"]  # chance 0.1
+    assert summary["final"]["acc_mean"] > 0.3, summary["final"]  # chance 0.1
     assert_identical(run, rounds=6)  # replay follows the log, whatever the timing was
 
 
