@@ -240,7 +240,10 @@ def _role(proc, launcher: int) -> str:
     if proc.pid == launcher:
         return "launcher"
     try:
-        words = [proc.name(), *proc.cmdline()[:4]]
+        # python [-P] -m fedbus.launch ROLE ...: the role is the word after the module
+        cmd = proc.cmdline()
+        words = [proc.name(), *cmd[cmd.index("fedbus.launch") + 1:][:1]] \
+            if "fedbus.launch" in cmd else [proc.name(), *cmd[:4]]
     except Exception:  # psutil.Error
         return "?"
     for word in words:

@@ -164,4 +164,6 @@ def test_the_slurm_relay_job_runs_one_site_below_its_relay(tmp_path):
     relay_log = [json.loads(line) for line in
                  (tmp_path / "runs" / "slurm-site-42" / "relay.log").read_text().splitlines()
                  if line.startswith("{")]
-    assert sum(e.get("event") == "node joined" for e in relay_log) == 4
+    # each of the four node processes joined through the relay (a node that misses its
+    # heartbeats on a loaded machine registers again: a second join, the same node)
+    assert len({e.get("node") for e in relay_log if e.get("event") == "node joined"}) == 4
