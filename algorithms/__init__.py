@@ -53,6 +53,7 @@ BUILTIN: dict[str, str] = {
     "fednh": "fedbus.algorithms.fednh",
     "fedhkd": "fedbus.algorithms.fedhkd",
     "fpl": "fedbus.algorithms.fpl",
+    "fedpac": "fedbus.algorithms.fedpac",
     "noop": "fedbus.algorithms.noop",
 }
 
