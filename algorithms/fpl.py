@@ -79,6 +79,12 @@ Server, per aggregation (Algorithm 1, server side):
     weighs its staleness weight s_m (1 when fresh: the plain mean of the paper and code).
   * unbiased prototype (eq. 6): U^k = 1/J sum_{c in P^k} c, the unweighted mean of the J
     cluster prototypes.
+  PARAM `upcr_target` (default "unbiased", eq. 6) = "global" sends instead G^k = 1/N
+  sum_m c_m^k (eq. 3, the plain mean of the clients' prototypes; each weighs its staleness
+  weight) as the target of L_UPCR: Table 3's G ablation. With cpcl_weight = 0 it is the
+  paper's "FedProto with parameter averaging" baseline (Table 2's FedProto row equals Table
+  3's G row, 81.16) and, with align_loss = "mean" and proto_source = "during", the code's
+  models/fedproto.py (MSE to the unweighted mean prototype, weights averaged).
   PARAM `keep_missing` (default True): a class nobody sent in this aggregation keeps its
   previous P^k and U^k. The paper (every participant in every round) does not say; the
   code rebuilds the whole set from each round's online clients (keep_missing = False),
@@ -216,6 +222,11 @@ class FPLServer(FedAvgServer):
         "align_loss": opt("sum", "L_UPCR: sum = eq. 10, the squared distance summed over the "
                           "d dimensions; mean = the code's nn.MSELoss, averaged over them "
                           "(eq. 10 / d)", choices=("sum", "mean")),
+        "upcr_target": opt("unbiased", "what L_UPCR (eq. 10) pulls each feature to: unbiased "
+                           "= U^k, the mean of the cluster prototypes (eq. 6); global = G^k, "
+                           "the plain mean of the clients' prototypes (eq. 3, Table 3's G "
+                           "ablation; with cpcl_weight 0 the paper's FedProto with parameter "
+                           "averaging)", choices=("unbiased", "global")),
         "partition": opt("first", "FINCH partition giving the cluster prototypes: first = "
                          "eq. 4's first-neighbour partition; last = the code's c[:, -1], "
                          "the coarsest FINCH returns", choices=("first", "last")),
@@ -275,14 +286,16 @@ class FPLServer(FedAvgServer):
         weights = np.array([float(u.weight) for u in updates])
         partition = self.param("partition")
         keep = bool(self.param("keep_missing"))
+        global_target = self.param("upcr_target") == "global"
         received = held.any(axis=0)
         clusters, owners = [], []
         unbiased = self.unbiased.astype(np.float64)
         for k in range(c):
             if received[k]:
-                pk, uk = cluster_prototypes(protos[held[:, k], k], weights[held[:, k]],
-                                            partition)
-                unbiased[k] = uk
+                members, w = protos[held[:, k], k], weights[held[:, k]]
+                pk, uk = cluster_prototypes(members, w, partition)
+                # eq. 3: G^k = 1/N sum_m c_m^k (each member weighs its staleness weight)
+                unbiased[k] = (w[:, None] * members).sum(0) / w.sum() if global_target else uk
             elif keep and self.has[k]:
                 pk = self.clusters[self.cluster_class == k]
             else:

@@ -131,6 +131,20 @@ def test_server_stale_members_weigh_their_staleness_weight():
     np.testing.assert_allclose(s.unbiased[0], (p + c0[3:].mean(0)) / 2, atol=1e-6)
 
 
+def test_server_global_target_is_eq3s_plain_mean():
+    # Table 3's G ablation (and the paper's FedProto with parameter averaging): L_UPCR's
+    # target is the mean of the clients' prototypes, not of the cluster prototypes; the
+    # clusters themselves are unchanged
+    s, u = tiny_server(upcr_target="global"), tiny_server()
+    s.aggregate(five_updates(staleness=(0, 3, 0, 0, 0)), [], RoundInfo(0, 3))
+    u.aggregate(five_updates(staleness=(0, 3, 0, 0, 0)), [], RoundInfo(0, 3))
+    c0, w = np.array(C0), np.array([1.0, 0.5, 1.0, 1.0, 1.0])
+    np.testing.assert_allclose(s.unbiased, [(w[:, None] * c0).sum(0) / w.sum(), C1, [0, 0]],
+                               atol=1e-6)
+    np.testing.assert_array_equal(s.clusters, u.clusters)
+    assert not np.allclose(s.unbiased[0], u.unbiased[0], atol=1e-3)
+
+
 def test_server_partition_option_takes_the_codes_last_partition():
     from fedbus.algorithms.fpl import cluster_prototypes
     x = np.array([at(0), at(10, 2.0), at(40), at(45), at(180), at(190), at(225, 2.0), at(230)])
