@@ -15,7 +15,7 @@ import pytest
 import torch
 from algo_support import (TRAIN, BodyHead, C, check_spec, client_ctx, digits_parts, freeze,
                           server_ctx, simulate, update)
-from helpers import SMALL, merged, metrics, run_federation
+from helpers import SMALL, fedbus, merged, metrics, run_federation
 from torch import nn
 
 from fedbus.algorithms import get_algorithm
@@ -426,6 +426,9 @@ def test_fedpac_sync_with_a_folded_straggler_learns_and_replays(tmp_path):
                if r["round"] > late[0] and "agg_extra" in r), recs
     assert summary["final"]["acc_mean"] > 0.3, summary["final"]  # chance 0.1
     assert_identical(run, rounds=5)
+    # a client's update replays bit for bit: statistics, both phases, head and prototypes
+    client = fedbus("replay", str(run), "--client", "1", "--round", "2").stdout
+    assert "update identical" in client, client
 
 
 def test_fedpac_async_with_a_slow_client_learns_and_replays(tmp_path):
