@@ -7,13 +7,17 @@
 
 Model groups (model-heterogeneous federations): the [model] table's ``group``
 list assigns ``group[i % len(group)]`` to client i (``arch_for_client``), and
-``feature_dim_for`` picks the shared prototype dimension. This package imports
+``feature_dim_for`` picks the shared prototype dimension. ``frozen:BACKBONES`` builds
+fixed pre-trained backbones with a trainable projection (fedbus.models.frozen, FedPCL's
+setting). This package imports
 nothing of fedbus. See docs/DATA.md.
 """
 from .base import ProtoNet
+from .frozen import BackboneError, FrozenBackboneNet, pretrain_backbone
 from .pretrained import PretrainedUnavailable
 from .registry import (
     ARCHS,
+    COMPOSED_ARCHS,
     DENSE_ARCHS,
     GROUP_FEATURE_DIM,
     MODEL_DEFAULTS,
@@ -32,11 +36,14 @@ from .segnet import DeepLabV3Plus
 
 __all__ = [
     "ARCHS",
+    "COMPOSED_ARCHS",
     "DENSE_ARCHS",
     "GROUP_FEATURE_DIM",
     "MODEL_DEFAULTS",
     "NATIVE_FEATURE_DIM",
+    "BackboneError",
     "DeepLabV3Plus",
+    "FrozenBackboneNet",
     "PretrainedUnavailable",
     "ProtoNet",
     "arch_for_client",
@@ -48,4 +55,5 @@ __all__ = [
     "feature_dim_for",
     "format_group",
     "parse_arch",
+    "pretrain_backbone",
 ]

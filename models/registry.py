@@ -50,6 +50,12 @@ def _deeplab(in_shape, num_classes, feature_dim=None, option=None):
     return DeepLabV3Plus(in_shape, num_classes, feature_dim, backbone=option or "resnet8")
 
 
+def _frozen(in_shape, num_classes, feature_dim=None, option=None):
+    from .frozen import build_frozen  # frozen builds its backbones through this registry
+
+    return build_frozen(in_shape, num_classes, feature_dim, option)
+
+
 def _plain(cls):
     def make(in_shape, num_classes, feature_dim=None):
         return cls(in_shape, num_classes, feature_dim)
@@ -80,12 +86,16 @@ ARCHS: dict[str, Callable[..., ProtoNet]] = {
 #: segmentation networks (features [B, D, h, w], per-pixel logits [B, C, H, W]), kept apart
 #: from ARCHS, whose members all map a sample to one vector and one logit row
 DENSE_ARCHS: dict[str, Callable[..., ProtoNet]] = {"deeplab": _deeplab}
-_ALL_ARCHS = {**ARCHS, **DENSE_ARCHS}
+#: networks composed of other networks: frozen:BACKBONES, fixed pre-trained backbones and a
+#: trainable projection (fedbus.models.frozen; FedPCL's setting)
+COMPOSED_ARCHS: dict[str, Callable[..., ProtoNet]] = {"frozen": _frozen}
+_ALL_ARCHS = {**ARCHS, **DENSE_ARCHS, **COMPOSED_ARCHS}
 
 #: each architecture's own feature (prototype) dimension
 NATIVE_FEATURE_DIM: dict[str, int] = {
     "cnn": 50, "cnn4": 512, "mlp-fedcl": 512, "resnet8": 256, "resnet10": 512,
     "resnet18": 512, "resnet34": 512, "mobilenetv2": 1280, "mlp": 200, "deeplab": 64,
+    "frozen": 256,
 }
 
 #: common prototype dimension of a model group whose members' native dims differ
@@ -105,9 +115,14 @@ def parse_arch(arch: str) -> tuple[str, str | None]:
         raise ValueError(f"unknown arch {arch!r}; known architectures: "
                          f"{', '.join(_ALL_ARCHS)} (cnn takes an out-channels option, e.g. "
                          f"cnn:18)")
-    if option and base not in ("cnn", "mlp", "deeplab"):
+    if option and base not in ("cnn", "mlp", "deeplab", "frozen"):
         raise ValueError(f"arch {arch!r}: only cnn (cnn:OUT_CHANNELS) and mlp (mlp:HIDDEN) "
-                         f"take an option, and deeplab its backbone (deeplab:BACKBONE)")
+                         f"take an option, deeplab its backbone (deeplab:BACKBONE) and "
+                         f"frozen its backbones (frozen:ARCH@SOURCE+...)")
+    if base == "frozen":
+        from .frozen import parse_spec
+
+        parse_spec(option)  # ValueError naming what is wrong with the spec
     if option and base == "deeplab" and option not in DEEPLAB_BACKBONES:
         raise ValueError(f"arch {arch!r}: deeplab's backbone is one of "
                          f"{', '.join(DEEPLAB_BACKBONES)}")
@@ -122,8 +137,9 @@ def build_model(arch: str, *, in_shape: tuple[int, ...], num_classes: int,
     arch: a name of ``ARCHS`` ("cnn", "cnn:18", "cnn4", "mlp-fedcl", "resnet8", "resnet10",
         "resnet18", "resnet34", "mobilenetv2", "mlp", "mlp:128" = first hidden layer 128
         wide, "deeplab" = "deeplab:resnet8" or "deeplab:mobilenetv2", a small DeepLab-V3+
-        for segmentation: dense features [B, D, H/4, W/4], per-pixel logits); unknown ->
-        ValueError listing them.
+        for segmentation: dense features [B, D, H/4, W/4], per-pixel logits; "frozen:SPEC"
+        = fixed pre-trained backbones and a trainable projection, fedbus.models.frozen);
+        unknown -> ValueError listing them.
     in_shape: one sample's shape, images ``(C, H, W)`` (any C; 8x8 and up), tabular/1-D ``(D,)``
         (mlp and mlp-fedcl flatten anything; the conv nets need images, else ValueError).
     feature_dim: None or 0 = the arch's native prototype dimension (``NATIVE_FEATURE_DIM``);

@@ -82,7 +82,10 @@ SCHEMA: dict[str, dict[str, Opt]] = {
                               "images", min=0),
     },
     "model": {
-        "arch": Opt("cnn", "network for every client (see fedbus.models.ARCHS)"),
+        "arch": Opt("cnn", "network for every client (see fedbus.models.ARCHS; "
+                    "frozen:ARCH@SOURCE[+...] = fixed backbones pre-trained on SOURCE, digits "
+                    "or PATH.npz, or frozen:FILE.pt, with a trainable projection: "
+                    "fedbus.models.frozen)"),
         "group": Opt([], "model group: client i runs group[i % len(group)]"),
         "feature_dim": Opt(0, "prototype dimension; 0 = the architecture's own", min=0),
         "pretrained": Opt(False, "load ImageNet weights where torchvision has them locally"),
@@ -350,6 +353,38 @@ def _check_consistency(cfg: dict[str, dict[str, Any]]) -> None:
                           f"federation.clients = {fed['clients']}")
     if fed["buffer"] > max(fed["concurrency"] or fed["clients"], 1):
         raise ConfigError("federation.buffer must not exceed federation.concurrency")
+    _check_backbone_sources(cfg)
+
+
+def _check_backbone_sources(cfg: dict[str, dict[str, Any]]) -> None:
+    """A frozen backbone (model.arch or model.group = frozen:...) that fedbus pre-trains must
+    learn from data disjoint from the federation's: not the dataset the clients hold."""
+    model, dataset = cfg["model"], str(cfg["data"]["dataset"])
+    archs = [("model.arch", model["arch"])] + [(f"model.group[{i}]", a)
+                                              for i, a in enumerate(model["group"])]
+    archs = [(k, a) for k, a in archs if isinstance(a, str) and a.strip().startswith("frozen:")]
+    if not archs:
+        return
+    from fedbus.models.frozen import training_sources  # torch: only for a frozen backbone
+
+    prefix, _, rest = dataset.partition(":")
+    own = {"digits"} if dataset == "digits" else set()
+    if prefix in ("npz", "digit5-offline") and rest:
+        own.add(os.path.abspath(os.path.expanduser(rest)))
+    if prefix == "digit5-offline":
+        own.add("digits")  # its fifth domain is sklearn's digits, upsampled
+    for key, arch in archs:
+        try:
+            sources = training_sources(arch.strip().partition(":")[2])
+        except ValueError as err:
+            raise ConfigError(f"{key} = {arch!r}: {err}") from None
+        for source in sources:
+            if source in own:
+                raise ConfigError(
+                    f"{key} = {arch!r}: a backbone pre-trained on {source}, the federation's "
+                    f"own data (data.dataset = {dataset!r}); pre-train it on data disjoint "
+                    f"from the federation's (another dataset, e.g. ARCH@PATH/mnist-10k.npz for "
+                    f"digits, ARCH@digits for an MNIST federation) or load a backbone file")
 
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "launch" / "default.toml"
