@@ -54,6 +54,7 @@ BUILTIN: dict[str, str] = {
     "fedhkd": "fedbus.algorithms.fedhkd",
     "fpl": "fedbus.algorithms.fpl",
     "fedpac": "fedbus.algorithms.fedpac",
+    "fedpcl": "fedbus.algorithms.fedpcl",
     "noop": "fedbus.algorithms.noop",
 }
 
