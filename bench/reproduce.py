@@ -110,7 +110,8 @@ class Recipe:
 
 # --- the recipes: bench/recipes/<paper>.toml --------------------------------------------
 
-PAPERS = ("tan", "qiao", "mpfedcl", "michieli", "fedtgp")  # their order in `list` and --help
+PAPERS = ("tan", "qiao", "mpfedcl", "michieli", "fedtgp", "fpl", "fednh", "fedhkd", "fedpac",
+          "fedpcl")  # their order in `list` and --help
 
 
 def _build(cls: type, table: Any, where: str, **convert: Callable[[Any, str], Any]) -> Any:

@@ -32,7 +32,9 @@ def _args(*argv: str) -> argparse.Namespace:
 def test_the_brief_names_every_recipe():
     assert set(rp.RECIPES) == {"tan-table1", "qiao-proto-helps", "mpfedcl-label",
                                "mpfedcl-feature", "michieli-synthetic", "michieli-mnist",
-                               "michieli-partial", "fedtgp-hetero"}
+                               "michieli-partial", "fedtgp-hetero", "fpl-digits",
+                               "fednh-label", "fedhkd-label", "fedpac-label",
+                               "fedpcl-frozen"}
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
@@ -60,12 +62,14 @@ def test_paper_numbers_orderings_and_scale_changes_are_there(recipe):
     labels = [r.label for r in recipe.rows]
     assert len(set(labels)) == len(labels)
     numbers = [p for r in recipe.rows for p in r.paper if p is not None]
-    assert numbers or recipe.gaps, f"{recipe.name}: no paper number at all"
+    # a paper of which only the abstract is here has no number to print: its note says so
+    abstract_only = any("abstract" in n for n in recipe.notes)
+    assert numbers or recipe.gaps or abstract_only, f"{recipe.name}: no paper number at all"
     for row in recipe.rows:
         assert len(row.paper) in (0, len(recipe.paper_columns)), row.label
         for p in row.paper:
             if p is not None:
-                assert 0 < p.value <= 100 and p.source.startswith(("Table", "Sec.")), p
+                assert 0 < p.value <= 100 and p.source.startswith(("Table", "Sec.", "poster")), p
         for m in row.mean_of:
             assert labels.index(m) < labels.index(row.label)
     for g in recipe.gaps:
