@@ -19,6 +19,8 @@ BENCHES = {
                                 "to this machine, beside the paper's numbers")),
     "train": ("train", ("real FedProto training (20 clients, MNIST-10k Dir(0.1), cnn4) per "
                         "round: fedbus beside a single-process HtFLlib-style reference loop")),
+    "authors": ("authors", ("FedNH and FPL beside their authors' code (patched locally to read "
+                            "an exported fedbus partition): per-round accuracy and seconds")),
     "attack": ("attack", ("a hostile participant's attacks (issue 30's holes) against a real "
                           "secure federation: refused, global state unchanged, processes "
                           "up, peak memory")),
