@@ -113,19 +113,20 @@ def _err(cfg: Config, why: str) -> ConfigError:
 
 def load_reference(cfg: Config) -> tuple[Config, dict[str, np.ndarray]]:
     """(the reference run's config, its global model's weights from checkpoint.fbk)."""
-    from fedbus.broker.wire import decode_body
+    from fedbus.node.server import CheckpointError, read_checkpoint
 
     run = Path(cfg.log.ffd_reference)
     if not run.is_dir():
         raise _err(cfg, "no such run directory")
     try:
         ref_cfg = build_config(json.loads((run / "config.json").read_text()))
-        raw = (run / "checkpoint.fbk").read_bytes()
-        state = decode_body(raw, max_frame=max(len(raw), 1))
+        if not (run / "checkpoint.fbk").is_file():
+            raise FileNotFoundError(2, "no file", str(run / "checkpoint.fbk"))
+        _raw, state = read_checkpoint(run / "checkpoint.fbk")
     except FileNotFoundError as err:
         raise _err(cfg, f"no {Path(err.filename).name} there (a finished run, e.g. of "
                         "algorithm.name = central)") from None
-    except (ValueError, ConfigError) as err:
+    except (ValueError, ConfigError, CheckpointError) as err:
         raise _err(cfg, f"unreadable run ({' '.join(str(err).split())})") from None
     weights = (state.get("handler") or {}).get("weights") if isinstance(state, dict) else None
     if not isinstance(weights, dict):

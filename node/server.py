@@ -8,6 +8,8 @@ exactly the live server's path.
 """
 from __future__ import annotations
 
+import hashlib
+
 import json
 import sys
 import time
@@ -311,23 +313,60 @@ class CheckpointError(ValueError):
 
 
 CHECKPOINT_KEYS = ("version", "rng", "next_task_id", "next_eval_id", "totals", "handler")
+# The checkpoint is the encoded state followed by this line and its SHA-256: a truncated
+# file loses the line, a flipped byte fails the digest, and neither is resumed from as if
+# it were whole. Files written before the digest (no line) are read as they are.
+CHECKSUM_LINE = b"\n#fedbus-checkpoint sha256="
+
+
+def checkpoint_bytes(state: dict[str, Any]) -> bytes:
+    """The file a checkpoint is written as: the encoded state, then its digest line."""
+    body = encode_body(state)
+    return body + CHECKSUM_LINE + hashlib.sha256(body).hexdigest().encode() + b"\n"
 
 
 def read_checkpoint(path: Path) -> tuple[bytes, dict[str, Any]]:
-    """The raw bytes and the decoded state of a server checkpoint; CheckpointError (one
-    line) for a file that is truncated, damaged or not a checkpoint. It is written
-    atomically, so a stop never leaves half of one: damage comes from elsewhere."""
+    """The encoded state (without its digest line) and the decoded state of a server
+    checkpoint; CheckpointError (one line) for a file that is truncated, damaged or not a
+    checkpoint. It is written atomically, so a stop never leaves half of one: damage comes
+    from elsewhere (a disk, a copy, a hand)."""
+    redo = "the run cannot resume from it: start it again with --force"
     try:
         raw = path.read_bytes()
+    except OSError as err:
+        raise CheckpointError(f"{path} cannot be read ({type(err).__name__}: {err}); "
+                              f"{redo}") from None
+    cut = raw.rfind(CHECKSUM_LINE)
+    if cut >= 0:
+        digest = raw[cut + len(CHECKSUM_LINE):]
+        raw = raw[:cut]
+        if digest != hashlib.sha256(raw).hexdigest().encode() + b"\n":
+            raise CheckpointError(f"{path} is damaged: its SHA-256 does not match its "
+                                  f"contents (a changed or cut-short file); {redo}")
+    try:
         state = decode_body(raw, max_frame=max(len(raw), 1))
-    except (OSError, ValueError) as err:  # WireError is a ValueError
-        raise CheckpointError(f"{path} cannot be read ({type(err).__name__}: {err}); the "
-                              f"run cannot resume from it: start it again with "
-                              f"--force") from None
+    except ValueError as err:  # WireError is a ValueError
+        raise CheckpointError(f"{path} cannot be read ({type(err).__name__}: "
+                              f"{' '.join(str(err).split())}); {redo}") from None
     missing = [k for k in CHECKPOINT_KEYS if not isinstance(state, dict) or k not in state]
     if missing:
         raise CheckpointError(f"{path} is not a fedbus checkpoint (it lacks "
                               f"{', '.join(missing)}); start the run again with --force")
+    return raw, state
+
+
+def restore_checkpoint(engine: Engine, path: Path) -> tuple[bytes, dict[str, Any]]:
+    """Load a checkpoint into the engine (read_checkpoint, then the engine's and handler's
+    load_state_dict); CheckpointError for a file that is damaged or does not fit the run.
+    Returns what read_checkpoint returns."""
+    raw, state = read_checkpoint(path)
+    try:
+        engine.load_state_dict(state)
+    except (KeyError, ValueError, TypeError, RuntimeError, AttributeError, IndexError,
+            OverflowError) as err:
+        raise CheckpointError(f"{path} does not fit this run's algorithm and config "
+                              f"({type(err).__name__}: {' '.join(str(err).split())[:300]}); "
+                              f"start the run again with --force") from None
     return raw, state
 
 
@@ -364,13 +403,7 @@ class ServerNode:
         if not ckpt.exists():
             log.warning("resume asked but no checkpoint yet: starting from round 0")
             return
-        raw, state = read_checkpoint(ckpt)
-        try:
-            self.engine.load_state_dict(state)
-        except (KeyError, ValueError, TypeError, RuntimeError) as err:
-            raise CheckpointError(f"{ckpt} does not fit this run's algorithm and config "
-                                  f"({type(err).__name__}: {err}); start the run again "
-                                  f"with --force") from None
+        raw, state = restore_checkpoint(self.engine, ckpt)
         dropped = self.run.keep_through(self.engine.version)
         if dropped:
             log.info("records after the checkpoint dropped: their rounds run again",
@@ -383,7 +416,7 @@ class ServerNode:
     def _checkpoint(self) -> None:
         state = self.engine.state_dict()
         state["wall_s"] = time.time() - self.started
-        atomic_write(self.run.path / "checkpoint.fbk", encode_body(state))
+        atomic_write(self.run.path / "checkpoint.fbk", checkpoint_bytes(state))
 
     def serve(self) -> int:
         cfg = self.cfg

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from helpers import SMALL, fedbus, merged, metrics, run_federation
 
-from fedbus.broker.wire import decode_body
+from fedbus.node.server import read_checkpoint
 
 CENTRAL = merged(SMALL, algorithm={"name": "central"})
 
@@ -43,8 +43,7 @@ def test_central_completes_and_learns_above_chance(central):
         assert r["partial"] == 0 and r["eval_clients"] == SMALL["federation"]["clients"]
     assert recs[-1]["agg"]["train_loss"] < recs[0]["agg"]["train_loss"]
     assert summary["final"]["acc_weighted"] > 0.5  # 10 classes: chance is 0.1
-    raw = (run_dir / "checkpoint.fbk").read_bytes()
-    state = decode_body(raw, max_frame=len(raw))
+    _raw, state = read_checkpoint(run_dir / "checkpoint.fbk")
     assert state["version"] == 3 and "conv1.weight" in " ".join(state["handler"]["weights"])
 
 

@@ -10,7 +10,7 @@ import pytest
 from helpers import (SMALL, Processes, free_port, merged, metrics, run_federation,
                      wait_until, write_config)
 
-from fedbus.broker.wire import decode_body
+from fedbus.node.server import read_checkpoint
 
 
 def test_sync_federation_learns_and_writes_the_run_directory(tmp_path):
@@ -90,7 +90,7 @@ def test_straggler_update_is_dropped_with_drop_policy(tmp_path):
 
 
 def _global_weights(run) -> dict:
-    state = decode_body((run / "checkpoint.fbk").read_bytes(), max_frame=1 << 30)
+    _raw, state = read_checkpoint(run / "checkpoint.fbk")
     return state["handler"]
 
 

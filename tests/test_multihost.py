@@ -45,7 +45,7 @@ import pytest
 from helpers import write_config
 from netns import HostProcess, Impairment, Network
 
-from fedbus.broker.wire import decode_body
+from fedbus.node.server import read_checkpoint
 
 _why_not = netns.unavailable()
 pytestmark = [pytest.mark.slow,
@@ -245,8 +245,7 @@ def _select(recs: list[dict], event: str | None, match: dict) -> list[dict]:
 
 
 def global_state(run_dir: Path) -> dict:
-    raw = (run_dir / "checkpoint.fbk").read_bytes()
-    return decode_body(raw, max_frame=len(raw))["handler"]
+    return read_checkpoint(run_dir / "checkpoint.fbk")[1]["handler"]
 
 
 def round_times(recs: list[dict]) -> dict:

@@ -10,7 +10,8 @@ import pytest
 from fedbus.algorithms.core.handlers import Work
 from fedbus.algorithms.core.merge import DeltaSums, PrototypeSums
 from fedbus.algorithms.core.protos import aggregate_prototypes
-from fedbus.broker.wire import Message, decode_body
+from fedbus.broker.wire import Message
+from fedbus.node.server import read_checkpoint
 from fedbus.node.config import build_config
 from fedbus.node.engine import client_address
 from fedbus.node.server import build_engine, dispatch
@@ -26,8 +27,7 @@ EQUIV = merged(SMALL, federation={"clients": 6, "rounds": 3, "deadline_s": 0.0,
 
 
 def _final_state(run) -> dict:
-    raw = (run / "checkpoint.fbk").read_bytes()
-    return decode_body(raw, max_frame=len(raw))["handler"]
+    return read_checkpoint(run / "checkpoint.fbk")[1]["handler"]
 
 
 def _federation(tmp_path, sections, *, relays: bool, name: str) -> tuple:

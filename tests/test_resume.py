@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers import REPO, SMALL, fedbus, merged, metrics, wait_until, write_config
 
-from fedbus.broker.wire import decode_body
+from fedbus.node.server import read_checkpoint
 from fedbus.node.client_state import ClientStateStore
 
 ROUNDS = 5
@@ -98,8 +98,8 @@ def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path, algorithm):
     # the clients did continue: without their states FedProto's and FedPer's local
     # models would start again and the per-client accuracies could not all agree
     assert b[-1]["per_client"] == a[-1]["per_client"]
-    ckpt_a = decode_body((whole / "checkpoint.fbk").read_bytes(), max_frame=1 << 30)
-    ckpt_b = decode_body((stopped / "checkpoint.fbk").read_bytes(), max_frame=1 << 30)
+    ckpt_a = read_checkpoint(whole / "checkpoint.fbk")[1]
+    ckpt_b = read_checkpoint(stopped / "checkpoint.fbk")[1]
     _assert_trees_equal(ckpt_a["handler"], ckpt_b["handler"])
     assert ckpt_a["version"] == ckpt_b["version"] == ROUNDS
     # a complete run leaves no client states behind
@@ -216,16 +216,24 @@ def test_a_damaged_client_state_is_named_and_its_client_starts_again(tmp_path):
     assert "client state not restored" in logs and victim.name in logs
 
 
-@pytest.mark.parametrize("damage", [b"", b"\x93garbage", b"\x81\xa3abc\x01"])
+@pytest.mark.parametrize("damage", [b"", b"\x93garbage", b"\x81\xa3abc\x01", "flip", "cut"])
 def test_a_damaged_checkpoint_is_one_line_naming_it(tmp_path, damage):
-    """Truncated, not msgpack, or msgpack that is no checkpoint: `fedbus run --resume` and
-    `fedbus server --resume` each say so in one line and exit 2, before anything starts."""
+    """Empty, not msgpack, msgpack that is no checkpoint, one byte of a real checkpoint
+    changed (it would still decode: its digest catches it) or a real one cut short:
+    `fedbus run --resume` and `fedbus server --resume` each say so in one line and exit 2,
+    before anything starts."""
     cfg = _config(tmp_path, "fedavg")
     whole = tmp_path / "whole"
     fedbus("run", str(cfg), "--out", str(whole), "--quiet", "--set", "federation.rounds=1")
     stopped = tmp_path / "stopped"
     stopped.mkdir()
     (stopped / "config.json").write_text((whole / "config.json").read_text())
+    if damage == "flip":  # a byte in the middle of the weights: still valid msgpack
+        real = bytearray((whole / "checkpoint.fbk").read_bytes())
+        real[len(real) // 2] ^= 0x10
+        damage = bytes(real)
+    elif damage == "cut":
+        damage = (whole / "checkpoint.fbk").read_bytes()[:-30]
     (stopped / "checkpoint.fbk").write_bytes(damage)
     for argv in (["run", "--resume", str(stopped)],
                  ["server", "--broker", "tcp://127.0.0.1:1", "--resume", str(stopped)]):

@@ -263,10 +263,9 @@ def test_what_secure_aggregation_cannot_serve_is_refused_with_one_line(sections,
 # --- real processes: broker, server, nodes, relays on loopback ---
 
 def _arrays_of(run) -> dict:
-    from fedbus.broker.wire import decode_body
+    from fedbus.node.server import read_checkpoint
 
-    raw = (run / "checkpoint.fbk").read_bytes()
-    state = decode_body(raw, max_frame=len(raw))["handler"]
+    state = read_checkpoint(run / "checkpoint.fbk")[1]["handler"]
     if "protos" in state:
         return {"protos": np.asarray(state["protos"], dtype=np.float64)}
     return {k: np.asarray(v, dtype=np.float64) for k, v in state["weights"].items()}
