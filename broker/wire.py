@@ -249,7 +249,8 @@ def _to_bytes(buf) -> bytes:
     if isinstance(b, bytes):
         return b
     try:
-        return bytes(buf)
+        # memoryview, not bytes(): bytes(5) would be five zero bytes, not an error
+        return memoryview(buf).tobytes()
     except TypeError:
         raise WireError(f"a frame must be bytes-like, got {type(buf).__name__}") from None
 

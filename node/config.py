@@ -399,9 +399,15 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
         text = resources.files("fedbus.launch").joinpath("default.toml").read_text()
     else:
         try:
-            text = source.read_text()
+            text = source.read_bytes().decode("utf-8")  # TOML is UTF-8 whatever the locale
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {source}") from None
+        except OSError as err:
+            raise ConfigError(f"config file {source} cannot be read: {err.strerror or err}"
+                              ) from None
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"{source}: not valid TOML: not UTF-8 text (byte "
+                              f"{err.start})") from None
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:

@@ -134,13 +134,26 @@ def scan(path: str | Path) -> tuple[list[Record], int]:
                                  "checksum mismatch")
             _check_torn(path, pos, len(records), "checksum mismatch")
             break
-        try:
-            direction, t, *frames = msgpack.unpackb(payload, raw=False)
-        except Exception as err:  # a checksummed record that does not parse
-            raise LogCorrupt(f"{path}: record {len(records)} at offset {pos}: {err}") from None
-        records.append(Record(len(records), pos, direction, float(t), list(frames)))
+        records.append(_record(payload, len(records), pos, path))
         pos = end
     return records, pos
+
+
+def _record(payload: bytes, index: int, offset: int, path: Path) -> Record:
+    """A checksummed record's payload, [direction, time, *frames], as a Record; LogCorrupt
+    when it does not parse or holds anything else (a checksum guards against damage, not
+    against a file another program wrote)."""
+    where = f"{path}: record {index} at offset {offset}"
+    try:
+        fields = msgpack.unpackb(payload, raw=False)
+    except Exception as err:  # msgpack raises several types for malformed input
+        raise LogCorrupt(f"{where}: {type(err).__name__}: {err}") from None
+    if (not isinstance(fields, list) or len(fields) < 2 or not isinstance(fields[0], str)
+            or isinstance(fields[1], bool) or not isinstance(fields[1], (int, float))
+            or not all(isinstance(f, bytes) for f in fields[2:])):
+        raise LogCorrupt(f"{where}: not [direction, time, frames...] (a direction string, "
+                         f"a number and byte frames)")
+    return Record(index, offset, fields[0], float(fields[1]), list(fields[2:]))
 
 
 def _check_torn(path: Path, pos: int, index: int, what: str) -> None:
@@ -193,11 +206,7 @@ class RecordReader:
         if len(payload) != length or zlib.crc32(payload) != crc:
             raise LogCorrupt(f"{self.path}: record {index} at offset {offset}: "
                              "cut short or checksum mismatch")
-        try:
-            direction, t, *frames = msgpack.unpackb(payload, raw=False)
-        except Exception as err:  # a checksummed record that does not parse
-            raise LogCorrupt(f"{self.path}: record {index} at offset {offset}: {err}") from None
-        return Record(index, offset, direction, float(t), list(frames))
+        return _record(payload, index, offset, self.path)
 
     def close(self) -> None:
         self._file.close()
