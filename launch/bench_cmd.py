@@ -27,6 +27,9 @@ BENCHES = {
     "segmentation": ("segmentation", ("FedAvg and proto-attention on the generated "
                                       "shapes-seg segmentation set over seeds (mIoU, pixel "
                                       "accuracy)")),
+    "fuzz": ("fuzz", ("coverage-guided fuzzing (atheris) of every decoder of outside input: "
+                      "frames, configs, partition, checkpoint, message log, metrics, keys, "
+                      "client states; inputs tried and crashes per target")),
     "secagg": ("secagg", ("time and bytes per round at 10, 100 and 1,000 clients with and "
                           "without secure aggregation (no-op training), the secure round's "
                           "phases, against the issue's target")),
