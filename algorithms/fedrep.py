@@ -116,7 +116,8 @@ class FedRepClient(SharedPartClient):
         return LocalRun(self.ctx, epochs=epochs, seed=head_seed(run.seed),
                         epochs_to_run=epochs * run.epochs_to_run / max(run.epochs, 1),
                         budget_s=run.budget_s, slow_factor=run.slow_factor,
-                        clock=run.clock)  # one clock for both phases (tests use a fake one)
+                        clock=run.clock,  # one clock for both phases (tests use a fake one)
+                        lr_factor=run.lr_factor)  # this round's train.lr_decay, as the body's
 
     def _run_with(self, optimizer: torch.optim.Optimizer, run: LocalRun) -> float:
         saved, self.optimizer = self.optimizer, optimizer

@@ -69,3 +69,10 @@ def test_the_default_leaves_every_optimizer_as_it_was():
     handler = ClientPool(cfg, torch.device("cpu")).get(0)
     for optimizer in handler.ctx.optimizers:
         assert all("fedbus_lr" not in g for g in optimizer.param_groups)
+
+
+def test_fedreps_head_epochs_run_at_this_rounds_rate():
+    """FedRep's first steps are its head epochs (an optimizer of their own, a LocalRun of
+    their own): they decay with the task's round, not the previous task's."""
+    rates = _rates_at_first_step(_cfg("fedrep", 0.9, head_epochs=1), [0, 2, 3])
+    assert [r[0] for r in rates] == pytest.approx([0.1, 0.1 * 0.9 ** 2, 0.1 * 0.9 ** 3])
