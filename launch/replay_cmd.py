@@ -160,7 +160,12 @@ def main(args: argparse.Namespace) -> int:
     except DatasetUnavailable as err:  # e.g. a relative npz path, from another directory
         print(f"fedbus replay: {dataset_problem(cfg.data.dataset, err)}", file=sys.stderr)
         return 2
-    except (LogCorrupt, FileNotFoundError, LookupError, ConfigError) as err:
+    except LogCorrupt as err:
+        print(f"fedbus replay: {' '.join(str(err).split())}; the records before it are whole: "
+              f"`fedbus log {args.run}` shows them, and `fedbus replay {args.run} "
+              f"--until-round R` replays the rounds before the damage", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, LookupError, ConfigError) as err:
         print(f"fedbus replay: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     if args.dump_state:

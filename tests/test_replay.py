@@ -184,10 +184,12 @@ def test_a_corrupted_record_is_detected_and_named(sync_run, tmp_path):
     data[at + size - 1] ^= 0x01  # the last byte of the body: array data
     (run / "messages.bin").write_bytes(bytes(data))
     proc = replay(run)
-    assert proc.returncode != 0
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "replay identical" not in proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fedbus replay: "), proc.stderr
     assert f"record {entry['i']} at offset {entry['off']}" in proc.stderr, proc.stderr
-    assert "checksum" in proc.stderr
+    assert "checksum" in proc.stderr and "--until-round" in proc.stderr
 
 
 def test_a_well_formed_but_altered_record_is_a_divergence_named_by_record_round_field(
