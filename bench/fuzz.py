@@ -397,6 +397,9 @@ def fuzz_one(name: str, corpus: Path, seconds: float, *, timeout: float = 10.0,
                           timeout=seconds + 10 * timeout + 120,
                           env={**os.environ, "PYTHONHASHSEED": "0"})
     err = proc.stderr
+    logs = corpus / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    (logs / f"{name}.log").write_text(err)  # libFuzzer's whole account, for a failed run
 
     def stat(key: str) -> int | None:
         m = re.findall(rf"stat::{key}:\s*(\d+)", err)
@@ -406,9 +409,10 @@ def fuzz_one(name: str, corpus: Path, seconds: float, *, timeout: float = 10.0,
     corp = re.findall(r"\bcorp: (\d+)", err)
     crash = ""
     if proc.returncode != 0:
-        lines = [ln for ln in err.splitlines()
-                 if ln.strip() and not ln.startswith(("#", "INFO:", "stat::"))]
-        crash = "\n".join(lines[-12:]) or f"exit {proc.returncode}"
+        lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith(
+            ("#", "INFO:", "stat::", "WARNING: Failed to find function", "MS:", "base unit:"))]
+        crash = "\n".join(lines[-12:] + [f"(exit {proc.returncode}; the whole log: "
+                                          f"{logs / (name + '.log')})"])
     return Result(name, stat("number_of_executed_units"), int(cov[-1]) if cov else None,
                   int(corp[-1]) if corp else None, crash, time.monotonic() - t0)
 
@@ -458,7 +462,12 @@ def main_args(args: argparse.Namespace) -> int:
             print("fedbus bench fuzz: --reproduce needs exactly one TARGET", file=sys.stderr)
             return 2
         target = TARGETS[args.targets[0]]
-        data = Path(args.reproduce).read_bytes()
+        try:
+            data = Path(args.reproduce).read_bytes()
+        except OSError as err:
+            print(f"fedbus bench fuzz: cannot read {args.reproduce}: {err.strerror or err}",
+                  file=sys.stderr)
+            return 2
         with tempfile.TemporaryDirectory() as tmp:
             ok = check(target, data, Path(tmp))  # a Crash propagates with its traceback
         print(f"{target.name}: {len(data)} bytes: " + ("decoded" if ok else "documented error"))
@@ -484,7 +493,7 @@ def main_args(args: argparse.Namespace) -> int:
                          rss_mb=args.rss_mb, runs=args.runs)
             results.append(r)
             rate = f"{r.inputs / r.seconds:9.0f}" if r.inputs else f"{'-':>9s}"
-            first = r.crash.splitlines()[-1] if r.crash else "none"
+            first = r.crash.splitlines()[0] if r.crash else "none"
             print(f"{name:13s} {r.inputs if r.inputs is not None else '-':>10} {rate} "
                   f"{r.coverage if r.coverage is not None else '-':>9} "
                   f"{r.corpus if r.corpus is not None else '-':>7}  {first}", flush=True)

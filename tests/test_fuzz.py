@@ -118,6 +118,8 @@ def test_reproduce_reruns_one_input(tmp_path, capsys):
     bad.write_bytes(b'{"clients": 3}')
     assert fuzz.main(["partition", "--reproduce", str(bad)]) == 0
     assert "documented error" in capsys.readouterr().out
+    assert fuzz.main(["partition", "--reproduce", str(tmp_path / "gone")]) == 2
+    assert "cannot read" in capsys.readouterr().err
 
 
 # --- inputs that crashed a decoder once ------------------------------------------------------
