@@ -373,7 +373,15 @@ def table(method: str, fb: dict[str, Any] | None, ref: dict[str, Any] | None) ->
 
 
 def main_args(args: argparse.Namespace) -> int:
+    from fedbus.node.config import ConfigError, build_config
+    from fedbus.node.setup import federated_data
+
     cfg = sections(args)
+    try:  # a bad option is a one-line error here, not a failed run
+        federated_data(build_config(cfg))
+    except (ConfigError, ValueError, OSError) as e:
+        print(f"fedbus bench authors: {e}")
+        return 2
     if args.export:
         folder = Path(args.export)
         manifest = export(cfg, folder)

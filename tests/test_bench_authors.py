@@ -118,3 +118,15 @@ def test_fpl_fedbus_side_alone_prints_its_rounds(tmp_path, capsys):
     assert "acc_mean" in printed and "partition = 'last'" in printed
     assert sum(1 for line in printed.splitlines()
                if line.split() and line.split()[0] in ("0", "1")) == 2
+
+
+def test_bad_options_are_one_line_errors(tmp_path, capsys):
+    assert authors.main_args(_args("--clients", "0")) == 2
+    assert "federation.clients" in capsys.readouterr().out
+    missing = tmp_path / "none.jsonl"
+    assert authors.main_args(_args("--reference", str(missing))) == 2
+    assert "not a rounds.jsonl" in capsys.readouterr().out
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    assert authors.main_args(_args("--reference", str(empty))) == 2
+    assert "no rounds" in capsys.readouterr().out
