@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -41,6 +42,13 @@ def merged(base: dict, **changes: dict) -> dict:
     return out
 
 
+# The algorithm tests' federations: 4 clients in SMALL's 2 nodes. SMALL's bus declares a node
+# dead after 4 missed 0.3 s heartbeats; on a loaded 2-core machine a node can stall that long,
+# so these allow 10 (3 s)
+TINY = merged(SMALL, federation={"clients": 4, "rounds": 3}, bus={"liveness": 10})
+SLOW = 2  # the straggler, or the slow client of an async run
+
+
 def fedbus(*args: str, timeout: float = 300, check: bool = True,
            cwd: Path | None = None) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, "-m", "fedbus.launch", *args], capture_output=True,
@@ -61,6 +69,70 @@ def run_federation(tmp_path: Path, sections: dict, *extra: str, name: str = "run
 
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def staleness_weight_ok(staleness: int, weight: float) -> bool:
+    """The engine's weight of an update made `staleness` versions ago: 1/sqrt(1 + staleness)."""
+    return staleness >= 1 and weight == pytest.approx(1 / math.sqrt(1 + staleness))
+
+
+def late_rounds(records: list[dict]) -> list[int]:
+    """The rounds in which the straggler SLOW was marked late."""
+    return [r["round"] for r in records if r["failures"].get(str(SLOW)) == "late"]
+
+
+def _run_every_round(tmp_path: Path, cfg: dict,
+                     timeout: float) -> tuple[Path, dict, list[dict]]:
+    """Runs `cfg` and checks that its algorithm completed every round."""
+    run, summary = run_federation(tmp_path, cfg, timeout=timeout)
+    assert summary["algorithm"] == cfg["algorithm"]["name"]
+    assert summary["rounds_completed"] == cfg["federation"]["rounds"]
+    return run, summary, metrics(run)
+
+
+def run_with_folded_straggler(tmp_path: Path, sections: dict, *,
+                              timeout: float = 240) -> tuple[Path, dict, list[dict]]:
+    """Runs `sections` in sync rounds with client SLOW on a device 100x slower: its time budget
+    (2.5 virtual s) ends its work after its round's 2 s deadline and before the next one
+    closes, so its update is late and folded into a later aggregation with its staleness
+    weight. Asserts what every such run shows; returns (run dir, summary, metrics records)."""
+    cfg = merged(sections, federation={"deadline_s": 2.0, "late": "fold"},
+                 train={"budget_s": 2.5},
+                 system={"slow_clients": [SLOW], "slow_factor": 100.0})
+    run, summary, records = _run_every_round(tmp_path, cfg, timeout)
+    rounds = cfg["federation"]["rounds"]
+    assert [r["round"] for r in records] == list(range(rounds))
+    late = late_rounds(records)
+    assert late, [r["failures"] for r in records]
+    folded = [(r["round"], entry) for r in records for entry in r["stale"]]
+    assert any(client == SLOW and rnd > late[0] for rnd, (client, *_) in folded), folded
+    for rnd, (client, version, staleness, weight) in folded:
+        assert staleness == rnd - version and staleness_weight_ok(staleness, weight), folded
+    assert summary["late_folded"] >= 1
+    return run, summary, records
+
+
+def run_async_with_slow_client(tmp_path: Path, sections: dict, *, concurrency: int = 3,
+                               timeout: float = 240) -> tuple[Path, dict, list[dict]]:
+    """Runs `sections` in async mode, `concurrency` clients busy at a time and an aggregation
+    every 2 updates, with client SLOW on a device 20x slower, so updates arrive out of order
+    and some were made from older versions. Asserts what every such run shows; returns
+    (run dir, summary, metrics records)."""
+    cfg = merged(sections, federation={"mode": "async", "concurrency": concurrency, "buffer": 2},
+                 system={"slow_clients": [SLOW], "slow_factor": 20.0})
+    run, summary, records = _run_every_round(tmp_path, cfg, timeout)
+    rounds = cfg["federation"]["rounds"]
+    assert [r["version"] for r in records] == list(range(1, rounds + 1))
+    assert all(r["updates"] == 2 for r in records), [r["updates"] for r in records]
+    stale = [entry for r in records for entry in r["stale"]]
+    assert all(staleness_weight_ok(staleness, weight) for _, _, staleness, weight in stale), stale
+    return run, summary, records
+
+
+def assert_update_replays(run: Path, client: int, rnd: int) -> None:
+    """`fedbus replay --client` retrains the client's update of round `rnd` bit for bit."""
+    out = fedbus("replay", str(run), "--client", str(client), "--round", str(rnd)).stdout
+    assert "update identical" in out, out
 
 
 def free_port() -> int:

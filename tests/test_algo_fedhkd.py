@@ -18,6 +18,8 @@ import pytest
 import torch
 from algo_support import (TRAIN, BodyHead, check_spec, client_ctx, digits_parts, freeze,
                           server_ctx, update)
+from helpers import (SMALL, TINY, assert_update_replays, fedbus, merged, metrics,
+                     run_async_with_slow_client, run_federation, run_with_folded_straggler)
 from torch import nn
 
 from fedbus.algorithms import get_algorithm
@@ -461,13 +463,12 @@ def test_one_task_on_digits_uploads_and_is_seeded():
 
 # --- real federations --------------------------------------------------------------------------
 
-SLOW = 2
+TINY_FEDHKD = merged(TINY, algorithm={"name": "fedhkd"})
 
 
 def _eval_results(run) -> dict[int, list[dict]]:
     """Every client's eval metrics per version, from `fedbus log RUN --json` (what each
     client reported, before the server's summary over clients)."""
-    from helpers import fedbus
     out = fedbus("log", str(run), "--kind", "eval_result", "--json").stdout
     rows = [json.loads(line) for line in out.splitlines() if line.strip()]
     by_version: dict[int, list[dict]] = {}
@@ -483,24 +484,11 @@ def _weighted(results: list[dict], key: str) -> float:
 
 
 def test_sync_federation_with_a_folded_straggler_learns_and_replays(tmp_path):
-    from helpers import SMALL, fedbus, merged, metrics, run_federation
-    # client 2 is 100x slower: its time budget (2.5 virtual s) ends its work after its
-    # round's 2 s deadline, so its update is late and folded into a later round
-    cfg = merged(SMALL, federation={"clients": 4, "deadline_s": 2.0, "late": "fold",
-                                    "rounds": 3, "fraction": 1.0, "eval_every": 3},
-                 algorithm={"name": "fedhkd"}, train={"epochs": 2, "budget_s": 2.5, "lr": 0.1},
-                 system={"slow_clients": [SLOW], "slow_factor": 100.0})
-    run, summary = run_federation(tmp_path, cfg, timeout=240)
-    recs = metrics(run)
-    assert summary["algorithm"] == "fedhkd" and summary["rounds_completed"] == 3
-    late = [r["round"] for r in recs if r["failures"].get(str(SLOW)) == "late"]
-    assert late, [r["failures"] for r in recs]
-    folded = [(r["round"], e) for r in recs for e in r["stale"]]
-    assert any(c == SLOW and rnd > late[0] for rnd, (c, *_) in folded), folded
-    for rnd, (client, version, staleness, weight) in folded:
-        assert staleness == rnd - version >= 1
-        assert weight == pytest.approx(1 / math.sqrt(1 + staleness))
-    assert summary["late_folded"] >= 1
+    from test_replay import assert_identical
+
+    run, summary, recs = run_with_folded_straggler(
+        tmp_path, merged(TINY_FEDHKD, federation={"rounds": 3, "eval_every": 3},
+                         train={"epochs": 2, "lr": 0.1}))
     assert all(r["agg"]["classes"] >= 1 for r in recs)  # hyper-knowledge was shared
     # learning above chance (0.1): the personalised models and the global model
     assert summary["final"]["acc_mean"] > 0.3, summary["final"]
@@ -512,37 +500,26 @@ def test_sync_federation_with_a_folded_straggler_learns_and_replays(tmp_path):
     last = [r for r in recs if "acc_mean" in r][-1]
     assert last["global_acc_weighted"] == pytest.approx(_weighted(final, "global_acc"))
     # the server replays bit for bit, and a client's update (its noise included)
-    assert "replay identical: " in fedbus("replay", str(run)).stdout
-    client = fedbus("replay", str(run), "--client", "1", "--round", "2").stdout
-    assert "update identical" in client, client
+    assert_identical(run, rounds=3)
+    assert_update_replays(run, client=1, rnd=2)
 
 
 def test_async_federation_with_a_slow_client(tmp_path):
-    from helpers import SMALL, fedbus, merged, metrics, run_federation
-    cfg = merged(SMALL, federation={"clients": 4, "mode": "async", "concurrency": 3,
-                                    "buffer": 2, "rounds": 4, "eval_every": 4},
-                 algorithm={"name": "fedhkd"},
-                 system={"slow_clients": [SLOW], "slow_factor": 20.0})
-    run, summary = run_federation(tmp_path, cfg, timeout=240)
-    recs = metrics(run)
-    assert summary["rounds_completed"] == 4
-    assert [r["version"] for r in recs] == [1, 2, 3, 4]
-    assert all(r["updates"] == 2 for r in recs)
-    stale = [e for r in recs for e in r["stale"]]
-    assert stale  # updates made from older versions were aggregated
-    for client, version, staleness, weight in stale:
-        assert staleness >= 1 and weight == pytest.approx(1 / math.sqrt(1 + staleness))
+    from test_replay import assert_identical
+
+    run, summary, recs = run_async_with_slow_client(
+        tmp_path, merged(TINY_FEDHKD, federation={"rounds": 4, "eval_every": 4}))
+    assert any(r["stale"] for r in recs)  # updates made from older versions were aggregated
     final = summary["final"]
     assert 0.0 <= final["acc_mean"] <= 1.0, final
     evals = _eval_results(run)
     assert all(0.0 <= m["global_acc"] <= 1.0 for m in evals[max(evals)])
-    assert "replay identical: " in fedbus("replay", str(run)).stdout
+    assert_identical(run, rounds=4)
 
 
 def test_merge_declaration_serves_secure_aggregation(tmp_path):
     """Eq. 1 and eq. 9 are sums: under secure aggregation the server sees only the round's
     masked total of HyperKnowledgeSums' forms, and still builds its knowledge from it."""
-    from helpers import SMALL, fedbus, merged, metrics, run_federation
     cfg = merged(SMALL, federation={"clients": 4, "rounds": 2, "eval_every": 2},
                  algorithm={"name": "fedhkd"}, privacy={"secure_aggregation": True})
     run, summary = run_federation(tmp_path, cfg, timeout=240)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from algo_support import (TRAIN, BodyHead, C, D, check_spec, client_ctx, digits_parts, freeze,
                           server_ctx, simulate, update)
-from helpers import SMALL, merged, metrics, run_federation
+from helpers import TINY, merged, run_async_with_slow_client, run_with_folded_straggler
 from torch import nn
 
 from fedbus.algorithms import get_algorithm
@@ -413,36 +413,18 @@ def test_fednh_under_secure_aggregation_gives_the_plain_step():
 
 # --- real federations -----------------------------------------------------------------------------
 
-SLOW = 2  # the straggler
-# SMALL's bus declares a node dead after 4 missed 0.3 s heartbeats; on a loaded 2-core machine
-# a node can stall that long, so the tiny runs here allow 10 (3 s)
-TINY = merged(SMALL, federation={"clients": 4, "rounds": 3}, algorithm={"name": "fednh"},
-              bus={"liveness": 10})
+TINY_FEDNH = merged(TINY, algorithm={"name": "fednh"})
 
 
 def test_fednh_sync_with_a_folded_straggler_learns_and_replays(tmp_path):
     from test_replay import assert_identical
 
-    # as tests/test_algorithms_federation.py: client 2 is 100x slower, its time budget
-    # (virtual seconds) ends its work after the 2 s deadline of its round and before the next
-    # one closes, so its update is folded into the next aggregation with its staleness weight.
-    # Under CPU contention its virtual clock (real time x 100) runs far ahead and the update
-    # comes rounds later (staleness 2-3 with six busy processes beside the test): 5 rounds
-    # leave room for it to arrive (with 3, it missed the whole run)
-    cfg = merged(TINY, federation={"deadline_s": 2.0, "late": "fold", "rounds": 5, "eval_every": 5},
-                 train={"epochs": 2, "budget_s": 2.5},
-                 system={"slow_clients": [SLOW], "slow_factor": 100.0})
-    run, summary = run_federation(tmp_path, cfg, timeout=240)
-    recs = metrics(run)
-    assert summary["algorithm"] == "fednh" and summary["rounds_completed"] == 5
-    late = [r["round"] for r in recs if r["failures"].get(str(SLOW)) == "late"]
-    assert late, [r["failures"] for r in recs]
-    folded = [(r["round"], entry) for r in recs for entry in r["stale"]]
-    assert any(client == SLOW and rnd > late[0] for rnd, (client, *_) in folded), folded
-    for rnd, (client, version, staleness, weight) in folded:
-        assert staleness == rnd - version >= 1
-        assert weight == pytest.approx(1 / math.sqrt(1 + staleness))
-    assert summary["late_folded"] >= 1
+    # Under CPU contention the straggler's virtual clock (real time x 100) runs far ahead and
+    # its update comes rounds later (staleness 2-3 with six busy processes beside the test):
+    # 5 rounds leave room for it to arrive (with 3, it missed the whole run)
+    run, summary, recs = run_with_folded_straggler(
+        tmp_path, merged(TINY_FEDNH, federation={"rounds": 5, "eval_every": 5},
+                         train={"epochs": 2}))
     assert all(r["agg"].get("classes_received", 0) > 0 for r in recs if r["updates"]), recs
     final = summary["final"]
     assert final["acc_mean"] > 0.25 and final["proto_acc_mean"] > 0.25, final  # chance 0.1
@@ -456,18 +438,9 @@ def test_fednh_async_with_a_slow_client_learns_and_replays(tmp_path):
     # SMALL's spread, client 0 holds one class, trains 2 steps a task, so it is in nearly every
     # buffer of 2 and pulls the averaged body to its class (acc_mean 0.13-0.41 over runs);
     # with 3 classes each, 0.48-0.68 in three runs (timing decides which updates are stale)
-    cfg = merged(TINY, federation={"mode": "async", "concurrency": 3, "buffer": 2, "rounds": 6,
-                                   "eval_every": 6},
-                 data={"ways_std": 0.0},
-                 system={"slow_clients": [SLOW], "slow_factor": 20.0})
-    run, summary = run_federation(tmp_path, cfg, timeout=240)
-    recs = metrics(run)
-    assert summary["rounds_completed"] == 6
-    assert [r["version"] for r in recs] == [1, 2, 3, 4, 5, 6]
-    assert all(r["updates"] == 2 for r in recs)
-    for r in recs:
-        for client, version, staleness, weight in r["stale"]:
-            assert staleness >= 1 and weight == pytest.approx(1 / math.sqrt(1 + staleness))
+    run, summary, recs = run_async_with_slow_client(
+        tmp_path, merged(TINY_FEDNH, federation={"rounds": 6, "eval_every": 6},
+                         data={"ways_std": 0.0}))
     assert summary["final"]["acc_mean"] > 0.3, summary["final"]  # chance 0.1
     assert_identical(run, rounds=6)  # replay follows the log, whatever the timing was
 

@@ -8,14 +8,13 @@ seeded task on digits; and real federations (sync with a folded straggler, async
 two relays that forward) that learn and replay identically."""
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
 from algo_support import (TRAIN, BodyHead, C, check_spec, client_ctx, digits_parts, freeze,
                           server_ctx, simulate, update)
-from helpers import SMALL, fedbus, merged, metrics, run_federation
+from helpers import (SLOW, SMALL, TINY, assert_update_replays, late_rounds, merged, metrics,
+                     run_async_with_slow_client, run_with_folded_straggler)
 from torch import nn
 
 from fedbus.algorithms import get_algorithm
@@ -394,58 +393,34 @@ def test_fedpac_short_federation_learns():
 
 # --- real federations -------------------------------------------------------------------------
 
-SLOW = 2  # the straggler
-TINY = merged(SMALL, federation={"clients": 4, "rounds": 3}, algorithm={"name": "fedpac"},
-              bus={"liveness": 10})
+TINY_FEDPAC = merged(TINY, algorithm={"name": "fedpac"})
 
 
 def test_fedpac_sync_with_a_folded_straggler_learns_and_replays(tmp_path):
     from test_replay import assert_identical
 
-    # as test_algo_fednh: client 2 is 100x slower, its budget ends its work after the 2 s
-    # deadline, so its update is folded into a later aggregation with its staleness weight
-    cfg = merged(TINY, federation={"deadline_s": 2.0, "late": "fold", "rounds": 5,
-                                   "eval_every": 5},
-                 train={"epochs": 2, "budget_s": 2.5},
-                 system={"slow_clients": [SLOW], "slow_factor": 100.0})
-    run, summary = run_federation(tmp_path, cfg, timeout=240)
-    recs = metrics(run)
-    assert summary["algorithm"] == "fedpac" and summary["rounds_completed"] == 5
-    late = [r["round"] for r in recs if r["failures"].get(str(SLOW)) == "late"]
-    assert late, [r["failures"] for r in recs]
-    folded = [(r["round"], entry) for r in recs for entry in r["stale"]]
-    assert any(client == SLOW and rnd > late[0] for rnd, (client, *_) in folded), folded
-    for rnd, (client, version, staleness, weight) in folded:
-        assert staleness == rnd - version >= 1
-        assert weight == pytest.approx(1 / math.sqrt(1 + staleness))
-    assert summary["late_folded"] >= 1
+    # 5 rounds, as test_algo_fednh's: under contention the straggler's update comes rounds late
+    run, summary, recs = run_with_folded_straggler(
+        tmp_path, merged(TINY_FEDPAC, federation={"rounds": 5, "eval_every": 5},
+                         train={"epochs": 2}))
     combined = [r for r in recs if r["updates"]]
     assert all(r["agg"]["classes_received"] > 0 for r in combined), recs
     # every participant got a head; a folded straggler's in the aggregation it came in
+    first_late = late_rounds(recs)[0]
     assert any(str(SLOW) in r["agg_extra"]["head_weights"] for r in recs
-               if r["round"] > late[0] and "agg_extra" in r), recs
+               if r["round"] > first_late and "agg_extra" in r), recs
     assert summary["final"]["acc_mean"] > 0.3, summary["final"]  # chance 0.1
     assert_identical(run, rounds=5)
     # a client's update replays bit for bit: statistics, both phases, head and prototypes
-    client = fedbus("replay", str(run), "--client", "1", "--round", "2").stdout
-    assert "update identical" in client, client
+    assert_update_replays(run, client=1, rnd=2)
 
 
 def test_fedpac_async_with_a_slow_client_learns_and_replays(tmp_path):
     from test_replay import assert_identical
 
-    cfg = merged(TINY, federation={"mode": "async", "concurrency": 3, "buffer": 2, "rounds": 6,
-                                   "eval_every": 6},
-                 data={"ways_std": 0.0},
-                 system={"slow_clients": [SLOW], "slow_factor": 20.0})
-    run, summary = run_federation(tmp_path, cfg, timeout=240)
-    recs = metrics(run)
-    assert summary["rounds_completed"] == 6
-    assert [r["version"] for r in recs] == [1, 2, 3, 4, 5, 6]
-    assert all(r["updates"] == 2 for r in recs)
-    for r in recs:
-        for client, version, staleness, weight in r["stale"]:
-            assert staleness >= 1 and weight == pytest.approx(1 / math.sqrt(1 + staleness))
+    run, summary, recs = run_async_with_slow_client(
+        tmp_path, merged(TINY_FEDPAC, federation={"rounds": 6, "eval_every": 6},
+                         data={"ways_std": 0.0}))
     assert summary["final"]["acc_mean"] > 0.3, summary["final"]  # chance 0.1
     assert_identical(run, rounds=6)
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 from algo_support import check_spec, freeze, update
-from helpers import MNIST_NPZ, SMALL, merged, metrics, needs_mnist, run_federation
+from helpers import (MNIST_NPZ, TINY, merged, needs_mnist, run_async_with_slow_client,
+                     run_with_folded_straggler)
 
 from fedbus.algorithms import get_algorithm
 from fedbus.algorithms.core.handlers import ClientContext, LocalRun, RoundInfo, ServerContext
@@ -279,9 +280,8 @@ def test_fedpcl_short_federation_learns(backbones, params):
 
 # --- real federations ---------------------------------------------------------------------------
 
-SLOW = 2  # the straggler
-TINY = merged(SMALL, federation={"clients": 4, "rounds": 3}, algorithm={"name": "fedpcl"},
-              model={"arch": ARCH}, train={"lr": 0.01}, bus={"liveness": 10})
+TINY_FEDPCL = merged(TINY, algorithm={"name": "fedpcl"}, model={"arch": ARCH},
+                     train={"lr": 0.01})
 
 
 @pytest.fixture
@@ -293,22 +293,12 @@ def backbone_dir(tmp_path, monkeypatch):
 def test_fedpcl_sync_with_a_folded_straggler_learns_and_replays(tmp_path, backbone_dir):
     from test_replay import assert_identical
 
-    # as fednh's: client 2 is 100x slower, its round-r update is folded into a later round.
     # wait_for_all = false: with the code's wait the contrastive term would start only once
     # the straggler's first set arrived
-    cfg = merged(TINY, federation={"deadline_s": 2.0, "late": "fold", "rounds": 5,
-                                   "eval_every": 5},
-                 algorithm={"wait_for_all": False},
-                 train={"epochs": 2, "budget_s": 2.5},
-                 system={"slow_clients": [SLOW], "slow_factor": 100.0})
-    run, summary = run_federation(tmp_path, cfg, timeout=300)
-    recs = metrics(run)
-    assert summary["algorithm"] == "fedpcl" and summary["rounds_completed"] == 5
-    late = [r["round"] for r in recs if r["failures"].get(str(SLOW)) == "late"]
-    assert late, [r["failures"] for r in recs]
-    folded = [(r["round"], entry) for r in recs for entry in r["stale"]]
-    assert any(client == SLOW and rnd > late[0] for rnd, (client, *_) in folded), folded
-    assert summary["late_folded"] >= 1
+    run, summary, recs = run_with_folded_straggler(
+        tmp_path, merged(TINY_FEDPCL, federation={"rounds": 5, "eval_every": 5},
+                         algorithm={"wait_for_all": False}, train={"epochs": 2}),
+        timeout=300)
     assert recs[-1]["agg"]["clients_with_prototypes"] == 4
     final = summary["final"]
     # own-prototype prediction among each client's ~3 classes: 0.87 measured
@@ -320,16 +310,7 @@ def test_fedpcl_sync_with_a_folded_straggler_learns_and_replays(tmp_path, backbo
 def test_fedpcl_async_with_a_slow_client_learns_and_replays(tmp_path, backbone_dir):
     from test_replay import assert_identical
 
-    cfg = merged(TINY, federation={"mode": "async", "concurrency": 3, "buffer": 2, "rounds": 6,
-                                   "eval_every": 6},
-                 system={"slow_clients": [SLOW], "slow_factor": 20.0})
-    run, summary = run_federation(tmp_path, cfg, timeout=300)
-    recs = metrics(run)
-    assert summary["rounds_completed"] == 6
-    assert [r["version"] for r in recs] == [1, 2, 3, 4, 5, 6]
-    assert all(r["updates"] == 2 for r in recs)
-    for r in recs:
-        for client, version, staleness, weight in r["stale"]:
-            assert staleness >= 1 and weight == pytest.approx(1 / math.sqrt(1 + staleness))
+    run, summary, recs = run_async_with_slow_client(
+        tmp_path, merged(TINY_FEDPCL, federation={"rounds": 6, "eval_every": 6}), timeout=300)
     assert summary["final"]["acc_mean"] > 0.6, summary["final"]  # 0.82 measured
     assert_identical(run, rounds=6)

@@ -13,7 +13,8 @@ from torch import nn
 
 from algo_support import (BodyHead, TRAIN, check_spec, client_ctx, digits_parts, freeze,
                           server_ctx, update)
-from helpers import SMALL, fedbus, merged, metrics, run_federation
+from helpers import (TINY, assert_update_replays, merged, run_async_with_slow_client,
+                     run_with_folded_straggler)
 
 from fedbus.algorithms import get_algorithm
 from fedbus.algorithms.core.handlers import ClientContext, LocalRun, RoundInfo
@@ -363,59 +364,37 @@ def test_code_prototypes_of_a_run_cut_mid_epoch_use_the_last_complete_epoch():
 
 # --- real federations ----------------------------------------------------------------------------
 
-SLOW = 2  # the straggler
 # At this scale (3 rounds of a few epochs, 8x8 digits, the 50-d CNN) the paper's defaults
 # (eq. 10 summed over the 50 dimensions, tau = 0.02) drive the averaged model to one class
-# once prototypes arrive (measured on the sync test's settings: 0.11 mean accuracy after 3
-# rounds); the code's alignment form and a milder temperature learn (0.72, FedAvg 0.71). The
-# paper's own setting is 100 rounds of 10 epochs of a 512-d ResNet-10.
-TINY = merged(SMALL, federation={"clients": 4, "rounds": 3},
-              data={**SMALL["data"], "ways": 5},
-              algorithm={"name": "fpl", "align_loss": "mean", "temperature": 0.5})
+# once prototypes arrive (measured on the sync test's settings when it ran 3 rounds: 0.11
+# mean accuracy after 3 rounds); the code's alignment form and a milder temperature learn
+# (0.72, FedAvg 0.71). The paper's own setting is 100 rounds of 10 epochs of a 512-d ResNet-10.
+TINY_FPL = merged(TINY, data={"ways": 5},
+                  algorithm={"name": "fpl", "align_loss": "mean", "temperature": 0.5})
 
 
 def test_fpl_sync_with_a_folded_straggler_learns_and_replays(tmp_path):
     from test_replay import assert_identical
 
-    # client 2 is 100x slower: its time budget (2.5 virtual s) ends its work after its
-    # round's 2 s deadline, so its update is late and folded into a later aggregation
-    cfg = merged(TINY, federation={"deadline_s": 2.0, "late": "fold", "eval_every": 3},
-                 train={"epochs": 3, "budget_s": 2.5},
-                 system={"slow_clients": [SLOW], "slow_factor": 100.0})
-    run, summary = run_federation(tmp_path, cfg, timeout=240)
-    recs = metrics(run)
-    assert summary["algorithm"] == "fpl" and summary["rounds_completed"] == 3
-    late = [r["round"] for r in recs if r["failures"].get(str(SLOW)) == "late"]
-    assert late, [r["failures"] for r in recs]
-    folded = [(r["round"], e) for r in recs for e in r["stale"]]
-    assert any(c == SLOW and rnd > late[0] for rnd, (c, *_) in folded), folded
-    for rnd, (client, version, staleness, weight) in folded:
-        assert staleness == rnd - version >= 1
-        assert weight == pytest.approx(1 / math.sqrt(1 + staleness))
-    assert summary["late_folded"] >= 1
+    # 5 rounds, as test_algo_fednh's: on a loaded machine (load 11) the straggler was late in
+    # each of 3 rounds and its update came after the run's end, so nothing was folded.
+    # acc_mean 0.79 and 0.80 in two 5-round runs
+    run, summary, recs = run_with_folded_straggler(
+        tmp_path, merged(TINY_FPL, federation={"rounds": 5, "eval_every": 5},
+                         train={"epochs": 3}))
     assert all(r["agg"]["classes_received"] > 0 and r["agg"]["clusters"] >= 1 for r in recs)
     assert summary["final"]["acc_mean"] > 0.3, summary["final"]  # chance 0.1
-    assert_identical(run, rounds=3)
+    assert_identical(run, rounds=5)
     # and one client's local update of a round with prototypes, bit for bit
-    client = fedbus("replay", str(run), "--client", "1", "--round", "2").stdout
-    assert "update identical" in client, client
+    assert_update_replays(run, client=1, rnd=2)
 
 
 def test_fpl_async_with_a_slow_client_learns_and_replays(tmp_path):
     from test_replay import assert_identical
 
-    cfg = merged(TINY, federation={"mode": "async", "concurrency": 3, "buffer": 2, "rounds": 6,
-                                   "eval_every": 6},
-                 train={"epochs": 2},
-                 system={"slow_clients": [SLOW], "slow_factor": 20.0})
-    run, summary = run_federation(tmp_path, cfg, timeout=240)
-    recs = metrics(run)
-    assert summary["rounds_completed"] == 6
-    assert [r["version"] for r in recs] == [1, 2, 3, 4, 5, 6]
-    assert all(r["updates"] == 2 for r in recs)
-    stale = [e for r in recs for e in r["stale"]]
-    assert stale  # updates made from older versions were aggregated
-    for client, version, staleness, weight in stale:
-        assert staleness >= 1 and weight == pytest.approx(1 / math.sqrt(1 + staleness))
+    run, summary, recs = run_async_with_slow_client(
+        tmp_path, merged(TINY_FPL, federation={"rounds": 6, "eval_every": 6},
+                         train={"epochs": 2}))
+    assert any(r["stale"] for r in recs)  # updates made from older versions were aggregated
     assert summary["final"]["acc_mean"] > 0.2, summary["final"]  # chance 0.1
     assert_identical(run, rounds=6)  # replay follows the log, whatever the timing was

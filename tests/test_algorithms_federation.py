@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from helpers import SMALL, merged, metrics, run_federation
+from helpers import SMALL, merged, run_async_with_slow_client, run_with_folded_straggler
 
 ALGORITHMS = ["local", "fedavg", "fedprox", "fedproto", "fedavg-proto", "mpfedcl",
               "proto-attention", "fedtgp"]
@@ -38,7 +38,6 @@ SYNC_PARAMS = {"mpfedcl": {"k": 1}}
 # FedAvg-proto uploads prototypes in the last round only; in async mode the last
 # buffer may hold only updates made from earlier versions, so ask every round.
 ASYNC_PARAMS = {"fedavg-proto": {"every_round": True}}
-SLOW = 2  # the straggler; federation.seed 1 samples it in every round at fraction 0.75
 
 
 def _final_accuracy(summary: dict) -> float:
@@ -50,14 +49,11 @@ def _final_accuracy(summary: dict) -> float:
 
 
 def _straggler_config(algorithm: str) -> dict:
-    # As tests/test_federation.py: client 2 is 100x slower; its time budget (virtual
-    # seconds) ends its work at ~2.5 s, after the 2 s deadline of its round and
-    # before the next one closes. Here 5 of the 6 clients are sampled per round.
-    cfg = merged(SMALL, federation={"deadline_s": 2.0, "late": "fold", "rounds": 3,
-                                    "fraction": 0.75, "eval_every": 3},
+    # 5 of the 6 clients are sampled per round; federation.seed 1 samples the straggler
+    # (helpers.SLOW) in every one
+    cfg = merged(SMALL, federation={"rounds": 3, "fraction": 0.75, "eval_every": 3},
                  algorithm={"name": algorithm, **SYNC_PARAMS.get(algorithm, {})},
-                 train={"epochs": 2, "budget_s": 2.5},
-                 system={"slow_clients": [SLOW], "slow_factor": 100.0})
+                 train={"epochs": 2})
     if algorithm in HETEROGENEOUS:
         cfg["model"] = {"group": ["cnn", "mlp"], "feature_dim": 32}
     return cfg
@@ -70,20 +66,8 @@ def test_sync_partial_participation_with_a_folded_straggler(tmp_path, algorithm)
 
 def check_sync_with_a_folded_straggler(tmp_path, algorithm: str) -> dict:
     """The sync run's checks; returns its summary."""
-    run, summary = run_federation(tmp_path, _straggler_config(algorithm), timeout=240)
-    recs = metrics(run)
-    assert summary["algorithm"] == algorithm
-    assert summary["rounds_completed"] == 3
-    assert [r["round"] for r in recs] == [0, 1, 2]
+    _, summary, recs = run_with_folded_straggler(tmp_path, _straggler_config(algorithm))
     assert all(r["sampled"] == 5 for r in recs), [r["sampled"] for r in recs]
-    late = [r["round"] for r in recs if r["failures"].get(str(SLOW)) == "late"]
-    assert late, [r["failures"] for r in recs]
-    folded = [(r["round"], entry) for r in recs for entry in r["stale"]]
-    assert any(client == SLOW and rnd > late[0] for rnd, (client, *_) in folded), folded
-    for rnd, (client, version, staleness, weight) in folded:
-        assert staleness == rnd - version >= 1
-        assert weight == pytest.approx(1 / math.sqrt(1 + staleness))
-    assert summary["late_folded"] >= 1
     # every round aggregated something the algorithm could use
     assert all(r["agg"].get("updates", r["updates"]) == r["updates"] for r in recs)
     final = summary["final"]
@@ -94,19 +78,9 @@ def check_sync_with_a_folded_straggler(tmp_path, algorithm: str) -> dict:
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_async_buffered_with_a_slow_client(tmp_path, algorithm):
-    cfg = merged(SMALL, federation={"mode": "async", "concurrency": 4, "buffer": 2,
-                                    "rounds": 4, "eval_every": 4},
-                 algorithm={"name": algorithm, **ASYNC_PARAMS.get(algorithm, {})},
-                 system={"slow_clients": [SLOW], "slow_factor": 20.0})
-    run, summary = run_federation(tmp_path, cfg, timeout=240)
-    recs = metrics(run)
-    assert summary["algorithm"] == algorithm
-    assert summary["rounds_completed"] == 4
-    assert [r["version"] for r in recs] == [1, 2, 3, 4]
-    assert all(r["updates"] == 2 for r in recs)
-    for r in recs:
-        for client, version, staleness, weight in r["stale"]:
-            assert staleness >= 1 and weight == pytest.approx(1 / math.sqrt(1 + staleness))
+    sections = merged(SMALL, federation={"rounds": 4, "eval_every": 4},
+                      algorithm={"name": algorithm, **ASYNC_PARAMS.get(algorithm, {})})
+    _, summary, _ = run_async_with_slow_client(tmp_path, sections, concurrency=4)
     final = summary["final"]
     assert final["acc_mean"] is not None and 0.0 <= final["acc_mean"] <= 1.0, final
     if algorithm in PROTO_METRIC:
