@@ -437,26 +437,12 @@ class FedHKDClient(FedAvgClient):
                                                         self.feature_loss)
         return loss
 
-    def run_local(self, run: LocalRun) -> float:
-        """LocalClient's loop, with the gradient norm clipped at clip_grad before each step
-        of a knowledge-aided task (the code's update_weights_HKD)."""
+    def clip_gradients(self) -> None:
+        """The gradient norm clipped at clip_grad before each step of a knowledge-aided
+        task (the code's update_weights_HKD; its first round, update_weights, does not)."""
         clip = float(self.param("clip_grad"))
-        dp_sgd = (self.ctx.extra.get("privacy") or {}).get("dp") == "sgd"
-        if clip <= 0 or not self._knowledge or dp_sgd:
-            return super().run_local(run)
-        model = self.ctx.model
-        model.train()
-        total, steps = 0.0, 0
-        for x, y in run.batches():
-            self.optimizer.zero_grad(set_to_none=True)
-            loss = self.batch_loss(x, y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=clip)
-            self.optimizer.step()
-            total += loss.item()
-            steps += 1
-        self.last_loss = total / steps if steps else float("nan")
-        return self.last_loss
+        if clip > 0 and self._knowledge:
+            torch.nn.utils.clip_grad_norm_(self.ctx.model.parameters(), max_norm=clip)
 
     @torch.no_grad()
     def hyper_knowledge(self, seed: int, batch: int = 512) -> dict[str, np.ndarray]:

@@ -383,21 +383,10 @@ class FedNHClient(LocalClient):
         h = self.ctx.model.features(x)
         return F.cross_entropy(self.logits(h, self._protos, self.scale), y)
 
-    def run_local(self, run: LocalRun) -> float:
-        """LocalClient.run_local with the code's gradient clipping before each step."""
-        self.ctx.model.train()
-        total, steps = 0.0, 0
-        for x, y in run.batches():
-            self.optimizer.zero_grad(set_to_none=True)
-            loss = self.batch_loss(x, y)
-            loss.backward()
-            if self.clip > 0:
-                torch.nn.utils.clip_grad_norm_(self._trainable, max_norm=self.clip)
-            self.optimizer.step()
-            total += loss.item()
-            steps += 1
-        self.last_loss = total / steps if steps else float("nan")
-        return self.last_loss
+    def clip_gradients(self) -> None:
+        """The code's clip_grad_norm_(max_norm=10) before each step."""
+        if self.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self._trainable, max_norm=self.clip)
 
     def train(self, task: Mapping[str, Any], run: LocalRun) -> dict[str, Any]:
         ctx = self.ctx

@@ -332,23 +332,6 @@ class FedPCLClient(LocalClient):
             loss = ce if loss is None else loss + ce
         return loss
 
-    def run_local(self, run: LocalRun) -> float:
-        """LocalClient.run_local, without a step where the loss has no term yet (module
-        doc: the code's 0 * loss1 before every client has reported)."""
-        self.ctx.model.train()
-        total, steps = 0.0, 0
-        for x, y in run.batches():
-            loss = self.batch_loss(x, y)
-            if loss is None:
-                continue
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            self.optimizer.step()
-            total += loss.item()
-            steps += 1
-        self.last_loss = total / steps if steps else float("nan")
-        return self.last_loss
-
     def local_protos(self) -> tuple[np.ndarray, np.ndarray]:
         """(protos float32 [C, D], counts int64 [C]): per class the mean normalised feature
         over the training set, eval mode (`agg_func` over update_weights_lg's last loop)."""

@@ -57,9 +57,15 @@ class LocalClient(Params, ClientHandler):
         model = self.ctx.model
         return F.cross_entropy(model.head(model.features(x)), y)
 
+    def clip_gradients(self) -> None:
+        """Between a step's backward pass and its optimizer step: a handler's gradient
+        clipping (FedNH's, FedHKD's); nothing by default. (DP-SGD clips per sample and
+        does not come here.)"""
+
     def run_local(self, run: LocalRun) -> float:
         """One optimiser step per minibatch the engine hands out; returns the
-        mean loss (nan when the run yielded no batch)."""
+        mean loss (nan when the run yielded no batch). A batch_loss of None takes no step
+        and does not count (a handler whose loss has no term yet: FedPCL's first round)."""
         # privacy.dp = "sgd": DP-SGD steps (Opacus) over Poisson batches
         # (fedbus.algorithms.core.dp_sgd)
         if (self.ctx.extra.get("privacy") or {}).get("dp") == "sgd":
@@ -72,7 +78,10 @@ class LocalClient(Params, ClientHandler):
         for x, y in run.batches():
             self.optimizer.zero_grad(set_to_none=True)
             loss = self.batch_loss(x, y)
+            if loss is None:
+                continue
             loss.backward()
+            self.clip_gradients()
             self.optimizer.step()
             total += loss.item()
             steps += 1
