@@ -197,7 +197,8 @@ def run_or_reuse(sections: dict[str, dict[str, Any]], name: str, *, out: Path,
                  timeout: float) -> Outcome:
     """OUT/NAME reused when its summary holds every round (an interrupted benchmark resumes
     where it stopped) and its config is what `sections` build today, else one real `fedbus
-    run` of `sections` there; a stale run directory is kept as NAME.stale."""
+    run` of `sections` there; a stale run directory is kept as NAME.stale, an interrupted
+    one (its summary short of the rounds, or none) is run again from the start."""
     rounds = sections["federation"]["rounds"]
     run_dir = out / name
     summary = complete_summary(run_dir, rounds)
@@ -209,6 +210,10 @@ def run_or_reuse(sections: dict[str, dict[str, Any]], name: str, *, out: Path,
         if old.exists():
             shutil.rmtree(old)
         run_dir.rename(old)
+    elif run_dir.exists():
+        # an interrupted run (no summary of every round): `fedbus run --out` refuses a folder
+        # that holds a run, so it starts again from scratch, as it would have run
+        shutil.rmtree(run_dir)
     t0 = time.perf_counter()
     try:
         summary, note = run(sections, name, out=out, timeout=timeout).summary, ""

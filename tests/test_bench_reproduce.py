@@ -321,6 +321,27 @@ def test_a_run_whose_defaults_changed_is_stale_not_reused(tmp_path):
     assert (tmp_path / (run.name + ".stale") / "summary.json").exists()
 
 
+def test_an_interrupted_run_is_run_again_not_refused(tmp_path):
+    """A run killed mid-way leaves a folder with a run but no summary of every round: the
+    recipe runs it again there (fedbus run --out refuses such a folder, so the bench clears
+    it first) rather than failing the row."""
+    from fedbus.bench.common import run_or_reuse
+
+    recipe = rp.RECIPES["tan-table1"]
+    row = next(r for r in recipe.rows if r.label == "FedAvg")
+    cfg = rp.sections(recipe, row, 0, scale="smoke", data=MNIST_NPZ)
+    cfg = {**cfg, "data": {**cfg["data"], "dataset": "digits", "shots": 10,
+                           "shots_std": 2.0}, "federation": {**cfg["federation"], "clients": 3}}
+    run = tmp_path / "interrupted"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(build_config(cfg).to_dict()))
+    (run / "run_id").write_text("abc")
+    (run / "metrics.jsonl").write_text(json.dumps({"round": 0}) + "\n")
+    outcome = run_or_reuse(cfg, run.name, out=tmp_path, timeout=240)
+    assert outcome.summary["rounds_completed"] == cfg["federation"]["rounds"]
+    assert outcome.note == "" and (run / "summary.json").exists()
+
+
 @pytest.mark.parametrize("a, b, verdict", [
     ([3.0, 4.0, 5.0], [1.0, 1.5, 2.5], "holds"),       # d = 2, 2.5, 2.5: interval above 0
     ([1.0, 1.5, 2.5], [3.0, 4.0, 5.0], "fails"),       # the mirror: below 0
