@@ -122,7 +122,7 @@ def load_reference(cfg: Config) -> tuple[Config, dict[str, np.ndarray]]:
         ref_cfg = build_config(json.loads((run / "config.json").read_text()))
         if not (run / "checkpoint.fbk").is_file():
             raise FileNotFoundError(2, "no file", str(run / "checkpoint.fbk"))
-        _raw, state = read_checkpoint(run / "checkpoint.fbk")
+        _raw, state = read_checkpoint(run / "checkpoint.fbk", keys=("handler",))
     except FileNotFoundError as err:
         raise _err(cfg, f"no {Path(err.filename).name} there (a finished run, e.g. of "
                         "algorithm.name = central)") from None

@@ -412,10 +412,9 @@ def replay_without(run_dir: Path, srcs: set[str]):
 
 def state_equal(run_dir: Path, srcs: set[str]) -> tuple[bool, str]:
     """The live server's final state against replay_without."""
-    from fedbus.broker.wire import decode_body
+    from fedbus.node.server import read_checkpoint
 
-    raw = (run_dir / "checkpoint.fbk").read_bytes()
-    live = decode_body(raw, max_frame=len(raw))
+    live = read_checkpoint(run_dir / "checkpoint.fbk")[1]
     clean, _ = replay_without(run_dir, srcs)
     if clean.version != live["version"]:
         return False, f"version {live['version']} against {clean.version} without the attacker"

@@ -341,13 +341,11 @@ def check(target: Target, data: bytes, work: Path) -> bool:
 def _atheris_child(name: str, corpus: Path, seconds: float, timeout: float, rss_mb: int,
                    runs: int) -> None:
     """Fuzz one target until the time is up (atheris.Fuzz exits the process)."""
-    import logging
-
     import atheris
-    import structlog
 
-    logging.disable(logging.CRITICAL)
-    structlog.configure(logger_factory=structlog.ReturnLoggerFactory())
+    from fedbus.broker.log import configure_logging
+
+    configure_logging(level="critical", console=False)  # no log line per input
     target = TARGETS[name]
     work = Path(tempfile.mkdtemp(prefix=f"fedbus-fuzz-{name}-"))
     # fedbus's modules are imported (by making and running the seeds) under

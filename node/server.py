@@ -325,11 +325,12 @@ def checkpoint_bytes(state: dict[str, Any]) -> bytes:
     return body + CHECKSUM_LINE + hashlib.sha256(body).hexdigest().encode() + b"\n"
 
 
-def read_checkpoint(path: Path) -> tuple[bytes, dict[str, Any]]:
+def read_checkpoint(path: Path, keys: tuple[str, ...] = CHECKPOINT_KEYS
+                    ) -> tuple[bytes, dict[str, Any]]:
     """The encoded state (without its digest line) and the decoded state of a server
     checkpoint; CheckpointError (one line) for a file that is truncated, damaged or not a
-    checkpoint. It is written atomically, so a stop never leaves half of one: damage comes
-    from elsewhere (a disk, a copy, a hand)."""
+    checkpoint (one without `keys`). It is written atomically, so a stop never leaves half
+    of one: damage comes from elsewhere (a disk, a copy, a hand)."""
     redo = "the run cannot resume from it: start it again with --force"
     try:
         raw = path.read_bytes()
@@ -348,7 +349,7 @@ def read_checkpoint(path: Path) -> tuple[bytes, dict[str, Any]]:
     except ValueError as err:  # WireError is a ValueError
         raise CheckpointError(f"{path} cannot be read ({type(err).__name__}: "
                               f"{' '.join(str(err).split())}); {redo}") from None
-    missing = [k for k in CHECKPOINT_KEYS if not isinstance(state, dict) or k not in state]
+    missing = [k for k in keys if not isinstance(state, dict) or k not in state]
     if missing:
         raise CheckpointError(f"{path} is not a fedbus checkpoint (it lacks "
                               f"{', '.join(missing)}); start the run again with --force")

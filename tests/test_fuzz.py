@@ -5,30 +5,18 @@ crashed one (regressions). Plus the damaged checkpoint cases the fuzzer cannot j
 changed byte that still decodes, a cut, a file written before checkpoints had a digest."""
 from __future__ import annotations
 
-import logging
 import struct
 import zlib
 from pathlib import Path
 
 import msgpack
 import pytest
-import structlog
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fedbus.bench import fuzz
 
 TARGETS = list(fuzz.TARGETS)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _quiet():
-    # the allow-list and engine log as they load; thousands of inputs need no log lines
-    logging.disable(logging.CRITICAL)
-    structlog.configure(logger_factory=structlog.ReturnLoggerFactory())
-    yield
-    logging.disable(logging.NOTSET)
-    structlog.reset_defaults()
 
 
 def test_the_targets_cover_every_decoder_the_issue_names():

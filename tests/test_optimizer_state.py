@@ -72,25 +72,26 @@ class FirstStepStates:
 
 
 def two_tasks(name, parts, mode):
-    """Two rounds of a real two-client federation. Returns per client: its optimizers' states
-    when task 1 ended and at their first step of task 2."""
+    """Three rounds of a real two-client federation. Returns per client: its optimizers'
+    states when its second task ended and at their first step of its third. (Not the first
+    two: FedPCL's first task takes no step, its loss waiting for every client's prototypes.)"""
     algo = get_algorithm(name)
     sctx, cctxs = contexts(parts, mode)
     server = algo.server(sctx)
     handlers = [algo.client(c) for c in cctxs]
     probes = [FirstStepStates(h.ctx.optimizers) for h in handlers]
     ended, started = [], []
-    for r in range(2):
-        info = RoundInfo(r, 2)
+    for r in range(3):
+        info = RoundInfo(r, 3)
         ups = []
         for i, (h, probe) in enumerate(zip(handlers, probes)):
             probe.new_task()
             payload = h.train(freeze(server.make_task(i, info)),
                               LocalRun(h.ctx, epochs=1, seed=100 * r + i))
             ups.append(update(i, payload, len(h.ctx.train_y), version=r))
-            if r == 0:
+            if r == 1:
                 ended.append([snapshot(o) for o in h.ctx.optimizers])
-            else:
+            elif r == 2:
                 started.append(dict(probe.at_first_step))
         server.aggregate(ups, [], info)
     return handlers, ended, started
@@ -100,10 +101,10 @@ def two_tasks(name, parts, mode):
 def test_fresh_optimizers_start_every_task_without_momentum(name, parts):
     handlers, ended, started = two_tasks(name, parts, "fresh")
     for h, end, start in zip(handlers, ended, started):
-        # the handler's own optimizer stepped, and task 1 left momentum buffers behind
+        # the handler's own optimizer stepped, and the second task left momentum buffers behind
         assert h.ctx.optimizers.index(h.optimizer) in start
         assert any(end[i] for i in start)
-        # ... which task 2 did not start with: every optimizer that stepped began empty
+        # ... which the third did not start with: every optimizer that stepped began empty
         assert all(state == {} for state in start.values()), name
 
 
