@@ -178,6 +178,11 @@ class FedAvgClient(LocalClient):
         self.run_local(run)
         return {"delta": weight_delta(self.ctx.model, task["weights"])}
 
+    def functional_loss(self) -> Any:
+        """Cohort hook (LocalClient.functional_loss): FedAvg's local loss is the
+        cross-entropy; declared here for this class's train()."""
+        return super().functional_loss()
+
     def evaluate(self, task: Mapping[str, Any]) -> dict[str, float]:
         """The global model's head on this client's test split."""
         with swapped_weights(self.ctx.model, task["weights"]):

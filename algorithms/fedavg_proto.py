@@ -206,6 +206,11 @@ class FedAvgProtoClient(FedAvgClient):
             payload.update(protos=protos, counts=counts)
         return payload
 
+    def functional_loss(self) -> Any:
+        """Cohort hook: FedAvg's cross-entropy loop (the prototypes around it are this
+        class's train(), run as it is)."""
+        return super().functional_loss()
+
     def evaluate(self, task: Mapping[str, Any]) -> dict[str, float]:
         """The global model's head ("acc") and eq. 4 ("proto_acc") with the model
         PARAM infer_model names; the client's own weights are restored."""

@@ -105,6 +105,7 @@ The task is {"protos": float32 [C, D], "has": bool [C]}.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -289,6 +290,20 @@ class FedProtoClient(LocalClient):
             return h.sum() * 0.0
         distances = torch.linalg.vector_norm(means[sel] - g[sel], dim=1)
         return distances.sum() if self.proto_loss == "eq8" else distances.mean()
+
+    def functional_loss(self) -> Any:
+        """Cohort hook (fedbus.algorithms.core.cohort): eq. 7 in its proto_loss form with the
+        task's global prototypes as the client's constants; none for proto_source =
+        "during" (its running class sums are a side effect of every step)."""
+        from fedbus.algorithms.core.cohort import CE, FunctionalLoss, proto_loss
+
+        if self.proto_source == "during":
+            return "proto_source = during collects features at every step"
+        if not self._reg:
+            return CE
+        return FunctionalLoss(
+            functools.partial(proto_loss, lam=self.lam, form=self.proto_loss),
+            {"g": self._global, "has": self._has}, ("fedproto", self.lam, self.proto_loss))
 
     def local_protos(self) -> tuple[np.ndarray, np.ndarray]:
         """(protos float32 [C, D], counts int64 [C]) of this client's training set."""

@@ -25,6 +25,7 @@ the weighted mean; "median", "trimmed_mean", "krum" as in FedAvg: fedbus.algorit
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -60,6 +61,18 @@ class FedProxClient(FedAvgClient):
             prox = sum(((p - w0) ** 2).sum() for p, w0 in self._anchor)
             loss = loss + 0.5 * self.mu * prox
         return loss
+
+    def functional_loss(self) -> Any:
+        """Cohort hook: CE + mu/2 sum_p ||p - p_t||^2 over the trainable parameters, the
+        anchor p_t (the task's global weights) a per-client constant."""
+        from fedbus.algorithms.core.cohort import CE, FunctionalLoss, prox_loss
+
+        if self.mu <= 0:
+            return CE
+        names = [n for n, p in self.ctx.model.named_parameters() if p.requires_grad]
+        anchor = dict(zip(names, (w0 for _, w0 in self._anchor)))
+        return FunctionalLoss(functools.partial(prox_loss, mu=self.mu), {"anchor": anchor},
+                              ("fedprox", self.mu))
 
 
 ALGORITHM = Algorithm("fedprox", FedProxServer, FedProxClient,

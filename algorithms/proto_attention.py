@@ -367,6 +367,11 @@ class ProtoAttentionClient(FedAvgClient):
             out["train_loss"] = float(self.last_loss)
         return out
 
+    def functional_loss(self) -> Any:
+        """Cohort hook: FedAvg's cross-entropy loop (the prototypes around it are this
+        class's train(), run as it is)."""
+        return super().functional_loss()
+
     @torch.no_grad()
     def evaluate(self, task: Mapping[str, Any]) -> dict[str, float]:
         """The global model (swapped in, local weights restored after): head

@@ -311,18 +311,21 @@ def seed_torch(seed: int, device: torch.device) -> None:
         torch.cuda.manual_seed(seed)
 
 
-def run_task(handler: ClientHandler, body: dict[str, Any]) -> tuple[dict[str, Any], float]:
-    """One local update from a task body: the update body to send, and the
-    (virtual) seconds it took. Also used by `fedbus replay --client`."""
+def make_run(handler: ClientHandler, body: dict[str, Any]) -> LocalRun:
+    """The LocalRun of a task body (its epochs, seed, partial work, budget, slowness and
+    train.lr_decay factor)."""
     sim = body.get("sim", {})
-    seed_torch(int(body["seed"]), handler.ctx.device)
-    run = LocalRun(handler.ctx, epochs=int(body["epochs"]), seed=int(body["seed"]),
-                   epochs_to_run=float(sim.get("epochs_to_run", body["epochs"])),
-                   budget_s=float(body.get("budget_s", 0.0)),
-                   slow_factor=float(sim.get("slow_factor", 1.0)),
-                   lr_factor=float(handler.ctx.train.get("lr_decay", 1.0))
-                   ** int(body["version"]))
-    payload = handler.train(body["payload"], run)
+    return LocalRun(handler.ctx, epochs=int(body["epochs"]), seed=int(body["seed"]),
+                    epochs_to_run=float(sim.get("epochs_to_run", body["epochs"])),
+                    budget_s=float(body.get("budget_s", 0.0)),
+                    slow_factor=float(sim.get("slow_factor", 1.0)),
+                    lr_factor=float(handler.ctx.train.get("lr_decay", 1.0))
+                    ** int(body["version"]))
+
+
+def finish_task(handler: ClientHandler, body: dict[str, Any], run: LocalRun,
+                payload: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    """The update body of a trained task (privacy applied) and its (virtual) seconds."""
     took = run.elapsed()
     privacy = handler.ctx.extra.get("privacy")
     if privacy:
@@ -331,6 +334,72 @@ def run_task(handler: ClientHandler, body: dict[str, Any]) -> tuple[dict[str, An
     return {"task": body["task"], "version": body["version"],
             "num_samples": int(len(handler.ctx.train_y)), "work": run.work.to_dict(),
             "payload": payload, "train_s": round(took, 4)}, took
+
+
+def run_task(handler: ClientHandler, body: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    """One local update from a task body: the update body to send, and the
+    (virtual) seconds it took. Also used by `fedbus replay --client`."""
+    seed_torch(int(body["seed"]), handler.ctx.device)
+    run = make_run(handler, body)
+    payload = handler.train(body["payload"], run)
+    return finish_task(handler, body, run, payload)
+
+
+def cohort_reason(handler: ClientHandler, mode: str) -> str | None:
+    """Why `handler` trains one by one under train.cohort = `mode` ("auto" | "on" | "off"),
+    or None when it may join a cohort. auto: on where measured faster, vectorised: every
+    supported model on CUDA, and on the CPU models without convolutions (MLPs; cnn4
+    vectorised on this CPU was measured no faster than one by one: docs/PERFORMANCE.md)."""
+    if mode == "off":
+        return "train.cohort = off"
+    from fedbus.algorithms.core.cohort import cohort_unsupported
+
+    reason = cohort_unsupported(handler)
+    if reason is None and mode == "auto" and handler.ctx.device.type != "cuda":
+        convs = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+        if any(isinstance(m, convs) for m in handler.ctx.model.modules()):
+            reason = "auto: convolutions on the CPU are no faster vectorised"
+    return reason
+
+
+def run_tasks(handlers: list[ClientHandler], bodies: list[dict[str, Any]],
+              mode: str = "auto", logged: set | None = None
+              ) -> list[tuple[dict[str, Any], float]]:
+    """Several clients' tasks of one round: those that may (cohort_reason) trained together
+    as cohorts (fedbus.algorithms.core.cohort), the rest one by one as run_task; each
+    (update body, seconds) as run_task returns it, in the order given. Under a cohort a
+    client's run and budget see the cohort's clock: its clients train at the same time.
+    The reason a client trains one by one is logged once per reason (`logged`)."""
+    from fedbus.algorithms.core.cohort import train_handlers
+
+    logged = set() if logged is None else logged
+    out: list[tuple[dict[str, Any], float] | None] = [None] * len(handlers)
+    joint: list[int] = []
+    for i, h in enumerate(handlers):
+        reason = cohort_reason(h, mode) if len(handlers) > 1 else "one task"
+        if reason is None:
+            joint.append(i)
+        elif reason not in logged and mode != "off" and reason != "one task":
+            logged.add(reason)
+            log.info("cohort off", reason=reason, algorithm=type(h).__name__)
+    if len(joint) > 1:
+        hs = [handlers[i] for i in joint]
+        bs = [bodies[i] for i in joint]
+        runs = [make_run(h, b) for h, b in zip(hs, bs)]
+        payloads, fallbacks = train_handlers(
+            hs, [b["payload"] for b in bs], runs,
+            before_train=lambda j: seed_torch(int(bs[j]["seed"]), hs[j].ctx.device))
+        for j, reason in fallbacks.items():
+            if reason not in logged:
+                logged.add(reason)
+                log.info("cohort off", reason=reason, algorithm=type(hs[j]).__name__)
+        for j, payload in enumerate(payloads):
+            if payload is not None:
+                out[joint[j]] = finish_task(hs[j], bs[j], runs[j], payload)
+    for i, h in enumerate(handlers):
+        if out[i] is None:
+            out[i] = run_task(h, bodies[i])
+    return out
 
 
 def dp_release(handler: ClientHandler, payload: dict[str, Any], privacy: dict[str, Any],

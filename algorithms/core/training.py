@@ -48,6 +48,9 @@ class LocalClient(Params, ClientHandler):
     so prototype regularisers and running prototype sums cost no extra pass)."""
 
     PARAMS: ClassVar[dict[str, Any]] = LocalServer.PARAMS
+    # Set by fedbus.algorithms.core.cohort while it trains this client in a cohort: run_local
+    # hands the run to it (None: run_local trains, as always).
+    _cohort_run: Any = None
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -56,6 +59,18 @@ class LocalClient(Params, ClientHandler):
     def batch_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         model = self.ctx.model
         return F.cross_entropy(model.head(model.features(x)), y)
+
+    def functional_loss(self) -> Any:
+        """The cohort hook (fedbus.algorithms.core.cohort, train.cohort): this client's
+        local loss as a pure `FunctionalLoss` that the cohort vectorises over clients, a
+        str saying why this configuration has none, or None (not declared). Called where
+        run_local would begin (task loaded, per-task state set). A class declares it for
+        its own train()/batch_loss(): a subclass that changes either (or run_local,
+        begin_local, clip_gradients) trains one by one until it declares its own.
+        Here: cross-entropy, batch_loss's."""
+        from fedbus.algorithms.core.cohort import CE
+
+        return CE
 
     def clip_gradients(self) -> None:
         """Between a step's backward pass and its optimizer step: a handler's gradient
@@ -66,6 +81,8 @@ class LocalClient(Params, ClientHandler):
         """One optimiser step per minibatch the engine hands out; returns the
         mean loss (nan when the run yielded no batch). A batch_loss of None takes no step
         and does not count (a handler whose loss has no term yet: FedPCL's first round)."""
+        if self._cohort_run is not None:  # trained in a cohort (fedbus.algorithms.core.cohort)
+            return self._cohort_run(self, run)
         # privacy.dp = "sgd": DP-SGD steps (Opacus) over Poisson batches
         # (fedbus.algorithms.core.dp_sgd)
         if (self.ctx.extra.get("privacy") or {}).get("dp") == "sgd":

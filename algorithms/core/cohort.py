@@ -1,0 +1,472 @@
+"""Cohort training: several clients of one architecture trained as one vectorised cohort.
+
+A node that holds, in one round, tasks for K clients of one architecture and algorithm can
+train them together: their trainable parameters are stacked along a leading client axis and
+one `torch.func.vmap(grad_and_value(loss))` call computes every client's gradient of its own
+loss on its own minibatch per step, followed by one stacked SGD update. For a small model
+most of a sequential step is per-call overhead, not arithmetic, so K clients cost little
+more than one (docs/PERFORMANCE.md: the synthetic MLP setting).
+
+What stays each client's own, exactly as `LocalClient.run_local` would do it alone:
+- its minibatches: each client's `LocalRun.batches()` generator is advanced once per cohort
+  step, so its seed, sample order, partial work (`epochs_to_run`), time budget and work
+  record (`run.work`) are the sequential run's own; a generator that ends leaves its client
+  masked for the rest of the cohort;
+- its optimizer: plain SGD (torch.optim.SGD semantics: weight decay added to the gradient,
+  momentum buffer b <- m b + g, p <- p - lr b; no dampening, no Nesterov) with the client's
+  own lr (after train.lr_decay), momentum and weight decay, read from its optimizer after
+  `start_local_run`, and its own momentum buffers (fresh: zero, which gives torch's first
+  step b = g exactly; persist: the buffers its optimizer holds);
+- its loss: the handler's `functional_loss()` (the hook below), with its own constants
+  (FedProx's anchor, FedProto's global prototypes).
+
+Masking, not padding into wrong updates: a client with no batch at a step (it finished its
+epochs, its partial work or its budget; unequal data sizes) is masked: its parameters and
+momentum buffers are selected unchanged (`torch.where`), whatever the stacked arithmetic
+computed for it.
+
+Unequal batch sizes (a client's last batch of an epoch): every client's batch is padded to
+train.batch_size rows with a per-sample weight w (1 real, 0 padding), and the functional
+losses are weighted means, sum(w l) / sum(w), which equal the unpadded mean (padding rows
+add exact zeros to the sums and to the gradients). Chosen over grouping the steps by batch
+shape because a step stays one vmap call whatever the clients' sizes (with unequal sizes
+nearly every step has some client at its last batch), and because each client's shapes then
+never depend on which other clients share its cohort. A consequence: batch statistics would
+see the padding, so models with buffers (BatchNorm) are not vectorised (below).
+
+Tolerance: the cohort computes the same operations per client in a different order (batched
+matrix products under vmap, weighted sums), so updates equal the sequential ones up to
+float32 rounding, not bit for bit: tests/test_cohort.py holds them to atol 1e-5 (rtol 1e-4)
+after several epochs. The SGD update itself is the same elementwise arithmetic as torch's.
+
+What is not vectorised (`cohort_unsupported` gives the reason; the node trains those clients
+one by one and logs it): a handler whose class declares no functional loss, or whose class
+changes the loss or training loop below the class that declared it; privacy.dp = "sgd";
+segmentation (dense labels); models with buffers (BatchNorm running statistics) or active
+dropout (each client draws its own dropout masks from the global generator); optimizers
+other than one plain SGD over the model's trainable parameters.
+
+The hook: `LocalClient.functional_loss()` returns a `FunctionalLoss` (a pure loss over one
+client's features, logits, labels and sample weights, with its constants), a str (why this
+configuration has none, e.g. FedProto's proto_source = "during"), or None (not declared).
+It is called where `run_local` would start (the task's weights loaded, the handler's
+per-task state set), so it can read that state. The cohort machinery owns the vectorisation;
+the algorithm owns its mathematics.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call, grad_and_value, vmap
+
+__all__ = ["FunctionalLoss", "CohortMember", "weighted_ce", "cohort_unsupported",
+           "model_unsupported", "train_cohort", "train_handlers"]
+
+
+@dataclass(frozen=True)
+class FunctionalLoss:
+    """A client's local loss in a pure form the cohort vectorises.
+
+    fn(h, logits, y, w, params, consts) -> scalar loss of one client's minibatch:
+      h [B, D] its features, logits [B, C] its head's output, y [B] int64 labels, w [B]
+      float32 sample weights (1 = a real sample, 0 = padding; all 0 when the client is
+      masked at this step: the loss must then be finite), params {name: tensor} its
+      trainable parameters (as model.named_parameters() names them), consts its `consts`.
+    consts: the client's own tensors ({name: tensor or {name: tensor}}); the cohort stacks
+      them along the client axis, so they must have equal shapes across the cohort.
+    key: hashable; clients whose keys differ are trained in separate cohorts (put the
+      scalars `fn` closes over here: mu, lam, the regulariser's form).
+    """
+
+    fn: Callable[..., torch.Tensor]
+    consts: Mapping[str, Any] = field(default_factory=dict)
+    key: tuple = ()
+
+
+def weighted_ce(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.cross_entropy's batch mean over the samples of weight 1 (0 = padding)."""
+    ce = F.cross_entropy(logits, y, reduction="none")
+    return (ce * w).sum() / w.sum().clamp(min=1.0)
+
+
+def ce_loss(h, logits, y, w, params, consts):
+    """LocalClient's loss: cross-entropy of the head."""
+    return weighted_ce(logits, y, w)
+
+
+CE = FunctionalLoss(ce_loss, {}, ("ce",))
+
+
+def prox_loss(h, logits, y, w, params, consts, *, mu: float):
+    """FedProx's loss (eq. 2): CE + mu/2 sum ||p - anchor||^2, in parameter order."""
+    anchor = consts["anchor"]
+    prox = sum(((params[n] - anchor[n]) ** 2).sum() for n in anchor)
+    return weighted_ce(logits, y, w) + 0.5 * mu * prox
+
+
+def proto_loss(h, logits, y, w, params, consts, *, lam: float, form: str):
+    """FedProto's eq. 7: CE + lam * L_R against the global prototypes consts["g"] [C, D]
+    (consts["has"] bool [C]), in FedProtoClient.proto_reg's three forms, over the samples of
+    weight 1: "mse" the per-element mean of (h - target)^2, target the sample's class
+    prototype where it has one, else h itself (adds 0); "eq8"/"eq8_mean" the sum/mean over
+    the minibatch's classes that have a global prototype of ||class mean of h - prototype||."""
+    g, has = consts["g"].to(h.dtype), consts["has"]
+    ce = weighted_ce(logits, y, w)
+    if form == "mse":
+        target = torch.where(has[y].unsqueeze(1), g[y], h.detach())
+        reg = ((h - target) ** 2 * w.unsqueeze(1)).sum() / (
+            w.sum().clamp(min=1.0) * h.shape[1])
+        return ce + lam * reg
+    # one-hot by comparison (F.one_hot checks its range: data-dependent, refused under vmap)
+    classes = torch.arange(g.shape[0], device=y.device)
+    onehot = (y.unsqueeze(1) == classes).to(h.dtype) * w.unsqueeze(1)  # [B, C]
+    sums = onehot.t() @ h
+    n = onehot.sum(0)
+    means = sums / n.clamp(min=1).unsqueeze(1)
+    sel = (n > 0) & has
+    # the norm's gradient at 0 is nan: classes left out are measured on ones, then dropped
+    diff = torch.where(sel.unsqueeze(1), means - g, torch.ones_like(means))
+    dist = torch.where(sel, torch.linalg.vector_norm(diff, dim=1), torch.zeros_like(n))
+    reg = dist.sum()
+    if form == "eq8_mean":
+        reg = reg / sel.sum().clamp(min=1)
+    return ce + lam * reg
+
+
+# --------------------------------------------------------------------------- support
+_LOOP_METHODS = ("train", "run_local", "batch_loss", "begin_local", "clip_gradients")
+
+
+def model_unsupported(model: torch.nn.Module) -> str | None:
+    """Why this network cannot be trained as a cohort, or None."""
+    if any(True for _ in model.buffers()):
+        return "the model has buffers (BatchNorm running statistics): batch statistics " \
+               "are per client and would see the padding"
+    for m in model.modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0:
+            return "the model has dropout: each client draws its masks from the global " \
+                   "generator in sequence"
+    if not hasattr(model, "features") or not hasattr(model, "head"):
+        return "the model has no features()/head() split"
+    return None
+
+
+def cohort_unsupported(handler: Any) -> str | None:
+    """Why this handler's local training cannot join a cohort (before its task is known),
+    or None. The task-dependent part (functional_loss() returning a reason) is checked
+    when the cohort starts."""
+    from fedbus.algorithms.core.training import LocalClient
+
+    cls = type(handler)
+    if not isinstance(handler, LocalClient):
+        return f"{cls.__name__} is no LocalClient"
+    owner = next((c for c in cls.__mro__ if "functional_loss" in c.__dict__), None)
+    if owner is None or owner is LocalClient and cls is not LocalClient:
+        return f"{cls.__name__} declares no functional loss (functional_loss hook)"
+    for c in cls.__mro__[:cls.__mro__.index(owner)]:
+        changed = [m for m in _LOOP_METHODS if m in c.__dict__]
+        if changed:
+            return (f"{c.__name__} changes {', '.join(changed)} below {owner.__name__}, "
+                    f"which declared the functional loss")
+    ctx = handler.ctx
+    if (ctx.extra.get("privacy") or {}).get("dp") == "sgd":
+        return "privacy.dp = sgd trains with per-sample clipping (Opacus)"
+    if ctx.train_y.dim() != 1:
+        return "dense labels (segmentation)"
+    reason = model_unsupported(ctx.model)
+    if reason:
+        return reason
+    if len(ctx.optimizers) != 1 or ctx.optimizers[0] is not handler.optimizer:
+        return "the handler has more than its one optimizer"
+    opt = handler.optimizer
+    if type(opt) is not torch.optim.SGD or len(opt.param_groups) != 1:
+        return "the optimizer is not one plain SGD param group"
+    group = opt.param_groups[0]
+    if group.get("nesterov") or group.get("dampening", 0) or group.get("maximize"):
+        return "SGD with nesterov, dampening or maximize"
+    trainable = [p for p in ctx.model.parameters() if p.requires_grad]
+    if len(group["params"]) != len(trainable) or any(
+            a is not b for a, b in zip(group["params"], trainable)):
+        return "the optimizer does not hold exactly the model's trainable parameters"
+    return None
+
+
+# --------------------------------------------------------------------------- core
+@dataclass
+class CohortMember:
+    """One client of a cohort: its network, its optimizer (a plain SGD over the network's
+    trainable parameters), its run (whose batches() the cohort draws) and its loss."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    run: Any  # fedbus.algorithms.core.handlers.LocalRun
+    loss: FunctionalLoss
+
+
+class _Split(torch.nn.Module):
+    """forward(x) = (features(x), head(features(x))) of the wrapped network."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        h = self.model.features(x)
+        return h, self.model.head(h)
+
+
+def _stack(trees: Sequence[Any]) -> Any:
+    first = trees[0]
+    if isinstance(first, Mapping):
+        return {k: _stack([t[k] for t in trees]) for k in first}
+    return torch.stack([torch.as_tensor(t) for t in trees])
+
+
+def _uniform(values: list[float]) -> bool:
+    return all(v == values[0] for v in values)
+
+
+def _per_client(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    t = torch.tensor(values, dtype=like.dtype, device=like.device)
+    return t.reshape(-1, *([1] * (like.dim() - 1)))
+
+
+def train_cohort(members: Sequence[CohortMember]) -> list[float]:
+    """Train the members' networks as one cohort (module docstring); each network ends with
+    the parameters, and each optimizer with the momentum buffers, that its sequential run
+    would leave (up to float32 reordering). Returns each member's mean training loss (nan
+    where its run took no step), summed in step order as run_local sums it."""
+    k_all = len(members)
+    if k_all == 0:
+        return []
+    model0 = members[0].model
+    names = [n for n, p in model0.named_parameters() if p.requires_grad]
+    own = [[dict(m.model.named_parameters())[n] for n in names] for m in members]
+    for m in members:
+        m.model.train()
+    gens = [iter(m.run.batches()) for m in members]
+    bs = int(members[0].run.ctx.train["batch_size"])
+
+    def pull() -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        out = []
+        for k, g in enumerate(gens):
+            item = None
+            if g is not None:
+                try:
+                    item = next(g)
+                except StopIteration:
+                    gens[k] = None
+            out.append(item)
+        return out
+
+    batch = pull()  # the first pull starts each run's optimizer (train.optimizer_state, lr)
+    groups = [m.optimizer.param_groups[0] for m in members]
+    lrs = [float(g["lr"]) for g in groups]
+    moms = [float(g["momentum"]) for g in groups]
+    wds = [float(g["weight_decay"]) for g in groups]
+    dev = own[0][0].device
+    P = {n: torch.stack([own[k][i].detach() for k in range(k_all)]).clone()
+         for i, n in enumerate(names)}
+    use_mom = any(moms)
+    bufs: dict[str, torch.Tensor] = {}
+    if use_mom:
+        for i, n in enumerate(names):
+            rows = []
+            for k, m in enumerate(members):
+                b = m.optimizer.state.get(own[k][i], {}).get("momentum_buffer")
+                rows.append(torch.zeros_like(own[k][i]) if b is None else b.detach())
+            bufs[n] = torch.stack(rows).clone()
+    C = _stack([m.loss.consts for m in members]) if members[0].loss.consts else {}
+    fn = members[0].loss.fn
+    split = _Split(model0)
+    prefixed = {n: "model." + n for n in names}
+
+    def client_loss(params, consts, x, y, w):
+        h, logits = functional_call(split, {prefixed[n]: v for n, v in params.items()}, (x,))
+        return fn(h, logits, y, w, params, consts)
+
+    step_fn = vmap(grad_and_value(client_loss))
+    uniform = _uniform(lrs) and _uniform(moms) and _uniform(wds)
+    if not uniform:
+        lr_t = {n: _per_client(lrs, P[n]) for n in names}
+        mom_t = {n: _per_client(moms, P[n]) for n in names}
+        wd_t = {n: _per_client(wds, P[n]) for n in names}
+    lr, mom, wd = lrs[0], moms[0], wds[0]
+
+    x_shape = y_dtype = None
+    losses: list[torch.Tensor] = []
+    masks: list[list[bool]] = []
+    ones = None
+    while any(b is not None for b in batch):
+        live = [b is not None for b in batch]
+        sizes = [0 if b is None else len(b[1]) for b in batch]
+        if x_shape is None:
+            ref = next(b for b in batch if b is not None)
+            x_shape, y_dtype = tuple(ref[0].shape[1:]), ref[1].dtype
+            x_dtype = ref[0].dtype
+            ones = torch.ones(k_all, bs, device=dev)
+        if all(live) and all(s == bs for s in sizes):
+            X = torch.stack([b[0] for b in batch])
+            Y = torch.stack([b[1] for b in batch])
+            W = ones
+        else:
+            X = torch.zeros((k_all, bs, *x_shape), dtype=x_dtype, device=dev)
+            Y = torch.zeros((k_all, bs), dtype=y_dtype, device=dev)
+            W = torch.zeros((k_all, bs), device=dev)
+            for k, b in enumerate(batch):
+                if b is not None:
+                    X[k, :sizes[k]] = b[0]
+                    Y[k, :sizes[k]] = b[1]
+                    W[k, :sizes[k]] = 1.0
+        grads, loss = step_fn(P, C, X, Y, W)
+        mask = None if all(live) else torch.tensor(live, device=dev)
+        for n in names:
+            p, g = P[n], grads[n]
+            if uniform:
+                if wd != 0:
+                    g = g.add(p, alpha=wd)
+                if use_mom and mom != 0:
+                    b = bufs[n].mul(mom).add(g)
+                    g = b
+                new = p.add(g, alpha=-lr)
+            else:
+                g = g + wd_t[n] * p
+                b = bufs[n] * mom_t[n] + g
+                new = p - lr_t[n] * b
+            if mask is not None:
+                shape = (-1, *([1] * (p.dim() - 1)))
+                mk = mask.reshape(shape)
+                new = torch.where(mk, new, p)
+                if use_mom:
+                    b = torch.where(mk, b, bufs[n])
+            P[n] = new
+            if use_mom:
+                bufs[n] = b
+        losses.append(loss)
+        masks.append(live)
+        batch = pull()
+
+    # each client's state back into its own network and optimizer
+    steps = [sum(m[k] for m in masks) for k in range(k_all)]
+    table = torch.stack(losses).tolist() if losses else []
+    out = []
+    with torch.no_grad():
+        for k, m in enumerate(members):
+            for i, n in enumerate(names):
+                p = own[k][i]
+                p.copy_(P[n][k])
+                if steps[k]:
+                    p.grad = torch.zeros_like(p)
+                    if use_mom and moms[k] != 0:
+                        m.optimizer.state[p]["momentum_buffer"] = bufs[n][k].clone()
+            total = 0.0
+            for row, live in zip(table, masks):
+                if live[k]:
+                    total += row[k]
+            out.append(total / steps[k] if steps[k] else float("nan"))
+    return out
+
+
+# --------------------------------------------------------------------------- handlers
+class _Captured(Exception):
+    """Raised by the capture pass at the point where run_local would start training."""
+
+
+def train_handlers(handlers: Sequence[Any], tasks: Sequence[Mapping[str, Any]],
+                   runs: Sequence[Any], *, before_train: Callable[[int], None] | None = None
+                   ) -> tuple[list[dict[str, Any] | None], dict[int, str]]:
+    """Run each handler's train(task, run) with its local training done in cohorts.
+
+    Two passes over each handler's own train(): the first stops where run_local would start
+    (the task's weights loaded, the handler's per-task state set) and takes the handler's
+    functional_loss(); the cohorts train; the second pass runs train() again, its run_local
+    now installing the cohort's outcome (the network and momentum are already in place; the
+    mean loss goes to last_loss), so everything after the local loop (the delta, prototypes,
+    the handler's metrics) is the handler's own code on the trained network. Every handler
+    must have passed `cohort_unsupported`, and no two may share a network.
+
+    Returns (payloads, fallbacks): payloads[i] is handler i's train() result, or None where
+    it was not trained here; fallbacks {i: reason} lists those (functional_loss() gave a
+    reason), which the caller trains one by one. `before_train(i)` runs before each of
+    handler i's train() calls (the node seeds torch there, as run_task does)."""
+    n = len(handlers)
+    losses: dict[int, FunctionalLoss] = {}
+    fallbacks: dict[int, str] = {}
+    for i, (h, task, run) in enumerate(zip(handlers, tasks, runs)):
+        captured: dict[str, Any] = {}
+
+        def capture(handler, run_, captured=captured):
+            captured["loss"] = handler.functional_loss()
+            raise _Captured
+
+        h._cohort_run = capture
+        try:
+            if before_train is not None:
+                before_train(i)
+            h.train(task, run)
+        except _Captured:
+            pass
+        finally:
+            h._cohort_run = None
+        loss = captured.get("loss")
+        if isinstance(loss, FunctionalLoss):
+            losses[i] = loss
+        else:
+            fallbacks[i] = loss if isinstance(loss, str) else \
+                f"{type(h).__name__}.functional_loss() gave none"
+    # cohorts: one architecture (parameter shapes), one loss key, one handler class
+    cohorts: dict[Any, list[int]] = {}
+    for i, loss in losses.items():
+        model = handlers[i].ctx.model
+        shapes = tuple((k, tuple(p.shape)) for k, p in model.named_parameters()
+                       if p.requires_grad)
+        key = (type(handlers[i]), type(model), shapes, loss.key,
+               tuple((k, tuple(torch.as_tensor(v).shape)) for k, v in _flat(loss.consts)))
+        cohorts.setdefault(key, []).append(i)
+    mean_loss: dict[int, float] = {}
+    for idx in cohorts.values():
+        out = train_cohort([CohortMember(handlers[i].ctx.model, handlers[i].optimizer,
+                                         runs[i], losses[i]) for i in idx])
+        mean_loss.update(zip(idx, out))
+    payloads: list[dict[str, Any] | None] = [None] * n
+    for i in sorted(mean_loss):
+        h = handlers[i]
+        # the second pass reloads the task's weights before run_local: the trained ones
+        # go back in there
+        trained = [p.detach().clone() for p in h.ctx.model.parameters() if p.requires_grad]
+
+        def install(handler, run_, value=mean_loss[i], trained=trained):
+            with torch.no_grad():
+                for p, t in zip([p for p in handler.ctx.model.parameters()
+                                 if p.requires_grad], trained):
+                    p.copy_(t)
+            handler.ctx.model.train()
+            handler.last_loss = value
+            return value
+
+        h._cohort_run = install
+        try:
+            if before_train is not None:
+                before_train(i)
+            payloads[i] = h.train(tasks[i], runs[i])
+        finally:
+            h._cohort_run = None
+    return payloads, fallbacks
+
+
+def _flat(tree: Mapping[str, Any], prefix: str = ""):
+    for k, v in tree.items():
+        if isinstance(v, Mapping):
+            yield from _flat(v, prefix + k + ".")
+        else:
+            yield prefix + k, v
+
+
+def mean_steps(runs: Sequence[Any]) -> float:
+    """Mean steps per run (for logs)."""
+    return sum(r.work.steps for r in runs) / max(1, len(runs)) if runs else math.nan
