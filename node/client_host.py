@@ -10,6 +10,7 @@ so a 2-core machine can host ten thousand small clients.
 """
 from __future__ import annotations
 
+import collections
 import copy
 import heapq
 import itertools
@@ -71,6 +72,12 @@ class ClientNode:
         self.deferred: list = []  # heap of (due, order, task message, update body)
         self._order = itertools.count()
         self.secure = None  # fedbus.node.privacy.secure_round.SecureClient under secure aggregation
+        # train.cohort: messages received while gathering a round's tasks, handled next; the
+        # gathered tasks already answered (a failed cohort retries only the others); the
+        # reasons for training one by one already logged
+        self._pending: collections.deque = collections.deque()
+        self._answered: set[str] = set()
+        self._cohort_logged: set[str] = set()
 
     def configure(self, run_id: str, raw: dict[str, Any]) -> None:
         if self.pool is None or run_id != self.run_id:  # else the server re-registered
@@ -126,11 +133,16 @@ class ClientNode:
         log.info("node ready", node=self.name, clients=len(self.clients), device=str(self.device))
         try:
             while True:
-                msg = peer.recv(timeout=max(0.0, min(1.0, self.send_due())))
+                if self._pending:
+                    msg = self._pending.popleft()  # logged when it was received
+                else:
+                    msg = self._recv(max(0.0, min(1.0, self.send_due())))
                 if msg is None:
                     continue
-                if self.msglog is not None:
-                    self.msglog.write("in", time.time(), msg.frames)
+                if msg.kind == "task" and self.pool is not None \
+                        and self.cfg.train.get("cohort", "auto") != "off":
+                    self._safely_tasks(self._gather(msg))
+                    continue
                 if msg.kind == "shutdown":
                     reason = (msg.body or {}).get("reason")
                     log.info("shutdown", reason=reason)
@@ -144,6 +156,97 @@ class ClientNode:
             if self.msglog is not None:
                 self.msglog.close()
             peer.close()
+
+    def _recv(self, timeout: float) -> Message | None:
+        msg = self.peer.recv(timeout=timeout)
+        if msg is not None and self.msglog is not None:
+            self.msglog.write("in", time.time(), msg.frames)
+        return msg
+
+    def _gather(self, first: Message) -> list[Message]:
+        """train.cohort: the task `first` and the tasks that follow it within COHORT_GATHER_S
+        of each other (a round's tasks leave the server in one burst); the first other
+        message ends the gathering and is handled next."""
+        tasks = [first]
+        while True:
+            msg = self._recv(COHORT_GATHER_S)
+            if msg is None:
+                return tasks
+            if msg.kind != "task":
+                self._pending.append(msg)
+                return tasks
+            tasks.append(msg)
+
+    def _safely_tasks(self, msgs: list[Message]) -> None:
+        """Tasks gathered together: trained in cohorts where they may (run_tasks), each
+        update sent as on_task sends it; any failure falls back to one task at a time."""
+        if len(msgs) == 1:
+            self._safely(msgs[0], self.on_task)
+            return
+        try:
+            self.on_tasks(msgs)
+        except Exception:
+            log.exception("cohort failed: its tasks run one by one", tasks=len(msgs))
+            for msg in msgs:
+                if msg.dst not in self._answered:
+                    self._safely(msg, self.on_task)
+        finally:
+            self._answered = set()
+
+    def _admit(self, msg: Message) -> bool:
+        """A task's steps before training: a simulated drop (False: no answer), the secure
+        aggregation's first message."""
+        body = msg.body
+        client = client_index(msg.dst)
+        sim = body.get("sim", {})
+        secure = self.secure is not None and "secagg" in body
+        stage = sim.get("drop_stage", "task") if sim.get("drop") else None
+        if stage is not None and (stage == "task" or not secure):
+            log.info("simulated drop", client=client, task=body["task"])
+            return False
+        if secure:
+            self._send("secagg", msg, self.secure.begin(msg.dst, body))  # before training
+            self.secure.sessions[msg.dst]["drop"] = stage
+        return True
+
+    def on_tasks(self, msgs: list[Message]) -> None:
+        """Several tasks: one by one where run alone (secure aggregation), the rest in
+        chunks that stay resident together (pinned in the pool, at most what its budget
+        holds: ClientPool.cohort_room), each chunk through run_tasks."""
+        mode = self.cfg.train.get("cohort", "auto")
+        alone = [m for m in msgs if self.secure is not None and "secagg" in m.body]
+        for msg in alone:
+            self._answered.add(msg.dst)
+            self._safely(msg, self.on_task)
+        rest = [m for m in msgs if m not in alone]
+        while rest:
+            room = self.pool.cohort_room(client_index(rest[0].dst))
+            chunk, later, seen = [], [], set()
+            for msg in rest:  # a client twice (async): its second task in a later chunk
+                if len(chunk) < room and msg.dst not in seen:
+                    chunk.append(msg)
+                    seen.add(msg.dst)
+                else:
+                    later.append(msg)
+            rest = later
+            started = time.monotonic()
+            admitted, handlers = [], []
+            try:
+                for msg in chunk:
+                    if not self._admit(msg):
+                        self._answered.add(msg.dst)
+                        continue
+                    handler = self._handler(msg)
+                    self.pool.pinned.add(client_index(msg.dst))
+                    admitted.append(msg)
+                    handlers.append(handler)
+                results = run_tasks(handlers, [m.body for m in admitted], mode,
+                                    self._cohort_logged)
+            finally:
+                self.pool.pinned.clear()
+            for msg, handler, (update, took) in zip(admitted, handlers, results):
+                self._answered.add(msg.dst)
+                self._finish(msg, handler, update, started + took)
 
     def handle(self, msg: Message) -> None:
         body = msg.body if isinstance(msg.body, dict) else {}
@@ -174,20 +277,19 @@ class ClientNode:
             self.msglog.write("out", time.time(), out.frames)
 
     def on_task(self, msg: Message) -> None:
-        body = msg.body
-        client = client_index(msg.dst)
-        sim = body.get("sim", {})
-        secure = self.secure is not None and "secagg" in body
-        stage = sim.get("drop_stage", "task") if sim.get("drop") else None
-        if stage is not None and (stage == "task" or not secure):
-            log.info("simulated drop", client=client, task=body["task"])
+        if not self._admit(msg):
             return
-        if secure:
-            self._send("secagg", msg, self.secure.begin(msg.dst, body))  # before training
-            self.secure.sessions[msg.dst]["drop"] = stage
         started = time.monotonic()
         handler = self._handler(msg)
-        update, took = run_task(handler, body)
+        update, took = run_task(handler, msg.body)
+        self._finish(msg, handler, update, started + took)
+
+    def _finish(self, msg: Message, handler: ClientHandler, update: dict[str, Any],
+                due: float) -> None:
+        """A trained task: the client's state saved (for a resume), its update sent, or
+        held back until `due` (a simulated slow device)."""
+        body = msg.body
+        client = client_index(msg.dst)
         if self.states is not None:
             self.states.save(client, msg.round, handler.state_dict())
         bad = non_finite(update["payload"])
@@ -195,7 +297,6 @@ class ClientNode:
             log.warning("update not finite: the client's model diverged", client=client,
                         task=body["task"], arrays=bad,
                         hint="lower train.lr or the algorithm's regulariser weight (lam)")
-        due = started + took
         if due > time.monotonic():
             # a simulated slow device: its answer leaves when that device would be done,
             # while this node serves its other clients; its arrays are copied now, as the
@@ -287,6 +388,9 @@ class ClientNode:
 
 
 WARM_CLIENTS = 64
+# train.cohort: a round's tasks arriving within this many seconds of each other are gathered
+# into one batch of tasks (they leave the server in one burst)
+COHORT_GATHER_S = 0.02
 
 
 def node_threads(cfg: Config) -> int:
@@ -386,6 +490,7 @@ def run_tasks(handlers: list[ClientHandler], bodies: list[dict[str, Any]],
         hs = [handlers[i] for i in joint]
         bs = [bodies[i] for i in joint]
         runs = [make_run(h, b) for h, b in zip(hs, bs)]
+        start = time.monotonic()
         payloads, fallbacks = train_handlers(
             hs, [b["payload"] for b in bs], runs,
             before_train=lambda j: seed_torch(int(bs[j]["seed"]), hs[j].ctx.device))
@@ -396,6 +501,8 @@ def run_tasks(handlers: list[ClientHandler], bodies: list[dict[str, Any]],
         for j, payload in enumerate(payloads):
             if payload is not None:
                 out[joint[j]] = finish_task(hs[j], bs[j], runs[j], payload)
+        log.info("cohort trained", clients=sum(p is not None for p in payloads),
+                 seconds=round(time.monotonic() - start, 4))
     for i, h in enumerate(handlers):
         if out[i] is None:
             out[i] = run_task(h, bodies[i])

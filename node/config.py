@@ -109,6 +109,13 @@ SCHEMA: dict[str, dict[str, Opt]] = {
                                "papers are silent); persist = carried over from the "
                                "client's previous task", ("fresh", "persist")),
         "budget_s": Opt(0.0, "time budget per task in seconds; 0 = none", min=0.0),
+        "cohort": Opt("auto", "a node's tasks of one round for clients of one architecture "
+                      "trained as one vectorised cohort (torch.func vmap over the clients; "
+                      "fedbus.algorithms.core.cohort), equal to one by one up to float32 "
+                      "rounding: on = wherever the algorithm and model support it (else one "
+                      "by one, the reason logged); off = one by one; auto = on where "
+                      "measured faster: every supported model on CUDA, models without "
+                      "convolutions (MLPs) on the CPU", ("auto", "on", "off")),
     },
     "system": {
         "slow_fraction": Opt(0.0, "fraction of clients that are slow", min=0.0, max=1.0),

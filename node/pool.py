@@ -290,6 +290,7 @@ class ClientPool:
         self.settled: set[str] = set()
         self.arch_count: dict[str, int] = {}
         self.evicted: dict[int, Packed | Path] = {}
+        self.pinned: set[int] = set()  # never evicted while pinned (a cohort in training)
         self.evictions = self.restores = 0
         self._last = -1
 
@@ -356,11 +357,25 @@ class ClientPool:
         return _tensor_bytes(state) + grads
 
     def _fit(self) -> None:
-        """Evict least recently used clients until the rest fit; the newest always stays."""
+        """Evict least recently used clients until the rest fit; the newest always stays,
+        and so do pinned clients (a cohort in training: fedbus.node.client_host)."""
         while len(self.resident) > 1 and (
                 self.used > self.budget
                 or (self.max_resident and len(self.resident) > self.max_resident)):
-            self.evict(next(iter(self.resident)))
+            victim = next((c for c in self.resident if c not in self.pinned), None)
+            if victim is None or victim == next(reversed(self.resident)):
+                break
+            self.evict(victim)
+
+    def cohort_room(self, client: int) -> int:
+        """How many clients of `client`'s architecture a cohort may hold resident at once:
+        what the memory budget (by the architecture's measured footprint) and
+        launch.max_resident allow, at least 1."""
+        room = self.budget // max(1, self.arch_cost.get(self._arch(client), 0)) \
+            if self._arch(client) in self.arch_cost else len(self.node_data.spans)
+        if self.max_resident:
+            room = min(room, self.max_resident)
+        return max(1, int(room))
 
     def evict(self, client: int) -> None:
         handler = self.resident.pop(client)
