@@ -243,7 +243,7 @@ class ClientNode:
                 results = run_tasks(handlers, [m.body for m in admitted], mode,
                                     self._cohort_logged)
             finally:
-                self.pool.pinned.clear()
+                self.pool.release()
             for msg, handler, (update, took) in zip(admitted, handlers, results):
                 self._answered.add(msg.dst)
                 self._finish(msg, handler, update, started + took)

@@ -367,12 +367,18 @@ class ClientPool:
                 break
             self.evict(victim)
 
+    def release(self) -> None:
+        """Unpin every client (a cohort is done) and evict what no longer fits."""
+        self.pinned.clear()
+        self._fit()
+
     def cohort_room(self, client: int) -> int:
         """How many clients of `client`'s architecture a cohort may hold resident at once:
         what the memory budget (by the architecture's measured footprint) and
         launch.max_resident allow, at least 1."""
-        room = self.budget // max(1, self.arch_cost.get(self._arch(client), 0)) \
-            if self._arch(client) in self.arch_cost else len(self.node_data.spans)
+        if self._arch(client) not in self.arch_cost:
+            self.get(client)  # measures its architecture
+        room = self.budget // max(1, self.arch_cost[self._arch(client)])
         if self.max_resident:
             room = min(room, self.max_resident)
         return max(1, int(room))

@@ -1,0 +1,283 @@
+"""Cohort training (train.cohort, fedbus.algorithms.core.cohort): a node's clients of one
+architecture trained as one vectorised cohort equal the same clients trained one by one.
+
+Real handlers over real digits (the `mlp`, so auto would vectorise it on the CPU), real
+federations on loopback. Tolerance: the cohort computes each client's gradient with batched
+matrix products under vmap and weighted sums, the same arithmetic in another order, so
+results agree to float32 rounding, not bit for bit: after several epochs of momentum SGD
+the largest difference measured is ~5e-7 (weights of order 0.1-1); ATOL = 1e-5 with
+RTOL = 1e-4 leaves room for the rounding to grow over the steps while a real error (one
+wrong step, a masked client moved, a padded sample counted: ~1e-3 and more) fails.
+FedProto's "eq8" form is left out of the exactness checks: it amplifies rounding itself
+(one by one on 1 thread against 2 threads differs by 0.17 after 3 rounds, as much as the
+cohort does)."""
+from __future__ import annotations
+
+import copy
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from helpers import TINY, merged, metrics, run_federation
+from structlog.testing import capture_logs
+from test_replay import assert_identical
+
+from fedbus.algorithms.core.cohort import cohort_unsupported, train_handlers
+from fedbus.algorithms.core.handlers import ClientUpdate, LocalRun, RoundInfo, Work
+from fedbus.broker.wire import decode_body, encode_body
+from fedbus.node.client_host import ClientPool, cohort_reason, run_task, run_tasks
+from fedbus.node.config import build_config
+from fedbus.node.engine import task_seed
+from fedbus.node.server import build_handler
+
+torch.set_num_threads(1)
+
+ATOL, RTOL = 1e-5, 1e-4
+CLIENTS = 6
+
+
+def _cfg(name: str = "fedavg", arch: str = "mlp", **sections) -> object:
+    raw = {"federation": {"clients": CLIENTS, "seed": 3},
+           # dirichlet: unequal client sizes, so last batches and run lengths differ
+           "data": {"dataset": "digits", "partition": "dirichlet", "alpha": 0.5},
+           "model": {"arch": arch}, "algorithm": {"name": name},
+           "train": {"momentum": 0.9, "batch_size": 16, "weight_decay": 1e-3,
+                     "lr_decay": 0.9}}
+    for section, table in sections.items():
+        raw.setdefault(section, {}).update(table)
+    return build_config(raw)
+
+
+def _bodies(cfg, server, version: int, partial: dict[int, float]) -> list[dict]:
+    out = []
+    for c in range(CLIENTS):
+        task = decode_body(encode_body(server.make_task(c, RoundInfo(version, 3))))
+        body = {"task": version + 1, "version": version, "epochs": 2,
+                "seed": task_seed(3, c, version), "payload": task}
+        if c in partial:
+            body["sim"] = {"epochs_to_run": partial[c]}
+        out.append(body)
+    return out
+
+
+def _cohort_round(pool: ClientPool, bodies: list[dict]) -> list[tuple[dict, float]]:
+    """As ClientNode.on_tasks: chunks of what the pool's budget holds, pinned while they
+    train."""
+    out, rest = [], list(range(len(bodies)))
+    while rest:
+        room = pool.cohort_room(rest[0])
+        chunk, rest = rest[:room], rest[room:]
+        try:
+            handlers = []
+            for c in chunk:
+                handlers.append(pool.get(c))
+                pool.pinned.add(c)
+            out += run_tasks(handlers, [bodies[c] for c in chunk], "on")
+        finally:
+            pool.release()
+    return out
+
+
+def _federate(cfg, pool: ClientPool, cohort: bool, rounds: int = 3,
+              partial: dict[int, float] | None = None) -> tuple[list[dict], list]:
+    """`rounds` rounds of every client through the server's handler; the update bodies and
+    each client's handler state after the last round."""
+    server = build_handler(cfg)
+    sent = []
+    for version in range(rounds):
+        bodies = _bodies(cfg, server, version, partial or {})
+        if cohort:
+            results = _cohort_round(pool, bodies)
+        else:
+            results = [run_task(pool.get(c), b) for c, b in enumerate(bodies)]
+        updates = []
+        for c, (update, _) in enumerate(results):
+            sent.append(update)
+            updates.append(ClientUpdate(c, decode_body(encode_body(update["payload"])),
+                                        update["num_samples"], Work.from_dict(update["work"]),
+                                        version))
+        server.aggregate(updates, [], RoundInfo(version, rounds))
+    # copied: a tight pool evicts a client as the next is got, and its network serves another
+    states = [(copy.deepcopy(pool.get(c).state_dict()), pool.get(c).last_loss)
+              for c in range(CLIENTS)]
+    return sent, states
+
+
+def _leaves(obj, path=""):
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _leaves(v, f"{path}/{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _leaves(v, f"{path}/{i}")
+    else:
+        yield path, obj
+
+
+def assert_close(a, b) -> None:
+    """Same structure; arrays and tensors equal within ATOL/RTOL, everything else equal."""
+    la, lb = list(_leaves(a)), list(_leaves(b))
+    assert [k for k, _ in la] == [k for k, _ in lb]
+    for (key, x), (_, y) in zip(la, lb):
+        if isinstance(x, (torch.Tensor, np.ndarray)):
+            x, y = np.asarray(x), np.asarray(y)
+            assert x.dtype == y.dtype and x.shape == y.shape, key
+            np.testing.assert_allclose(x, y, rtol=RTOL, atol=ATOL, err_msg=key)
+        elif isinstance(x, float):
+            assert x == pytest.approx(y, rel=RTOL, abs=ATOL, nan_ok=True), key
+        else:
+            assert x == y, key
+
+
+@pytest.mark.parametrize("algorithm,params,state", [
+    ("fedavg", {}, "fresh"),
+    ("fedprox", {"mu": 0.1}, "persist"),
+    ("fedproto", {}, "persist"),  # proto_loss = mse, the default
+    ("fedproto", {"proto_loss": "eq8_mean"}, "fresh"),
+    ("local", {}, "persist"),
+])
+def test_cohort_equals_one_by_one(algorithm, params, state):
+    # unequal client sizes, two clients on partial work (one of them below one epoch),
+    # momentum, weight decay, lr decay; every update body (payload, work, loss) and every
+    # client's state after 3 rounds (weights, momentum buffers, last loss)
+    cfg = _cfg(algorithm, algorithm=params, train={"optimizer_state": state})
+    partial = {1: 0.4, 4: 1.5}
+    seq = _federate(cfg, ClientPool(cfg, torch.device("cpu")), cohort=False, partial=partial)
+    coh = _federate(cfg, ClientPool(cfg, torch.device("cpu")), cohort=True, partial=partial)
+    assert [u["work"] for u in seq[0]] == [u["work"] for u in coh[0]]
+    assert {u["work"]["stopped"] for u in seq[0]} == {"done", "partial"}
+    assert len({u["work"]["steps"] for u in seq[0]}) > 3  # the clients' runs differ in length
+    assert_close([u["payload"] for u in seq[0]], [u["payload"] for u in coh[0]])
+    assert_close(seq[1], coh[1])
+
+
+def test_evicted_and_restored_clients_in_a_cohort():
+    # a budget that holds about two clients: every round restores most clients from their
+    # packed state and the cohort trains in chunks of what fits; FedProto with persisted
+    # momentum, so the restored state matters
+    cfg = _cfg("fedproto", train={"optimizer_state": "persist"})
+    roomy = ClientPool(cfg, torch.device("cpu"))
+    seq = _federate(cfg, roomy, cohort=False)
+    tight = ClientPool(cfg, torch.device("cpu"), memory_mb=2.0, evict_to="memory")
+    coh = _federate(cfg, tight, cohort=True)
+    assert tight.evictions > CLIENTS and tight.restores > CLIENTS
+    assert 1 < tight.cohort_room(0) < CLIENTS
+    assert_close([u["payload"] for u in seq[0]], [u["payload"] for u in coh[0]])
+    # the states (last_loss is no state: an evicted handler is rebuilt without it)
+    assert_close([s for s, _ in seq[1]], [s for s, _ in coh[1]])
+
+
+def test_budget_cut_clients_are_masked_not_moved():
+    # each run on its own step-counting clock: its budget cuts it after a set number of
+    # steps, one by one and in the cohort alike; clients cut early stay where they stopped
+    cfg = _cfg("fedprox", algorithm={"mu": 0.05})
+    budgets = [0.035, 0.105, 0.0, 0.055, 1.0, 0.025]
+
+    def runs(pool):
+        out = []
+        for c, budget in enumerate(budgets):
+            ticks = itertools.count()
+            out.append(LocalRun(pool.get(c).ctx, epochs=3, seed=task_seed(3, c, 0),
+                                budget_s=budget, clock=lambda t=ticks: next(t) * 0.01))
+        return out
+
+    server = build_handler(cfg)
+    tasks = [decode_body(encode_body(server.make_task(c, RoundInfo(0, 1))))
+             for c in range(CLIENTS)]
+    seq_pool, coh_pool = ClientPool(cfg, torch.device("cpu")), ClientPool(cfg,
+                                                                          torch.device("cpu"))
+    seq_runs, coh_runs = runs(seq_pool), runs(coh_pool)
+    seq = [seq_pool.get(c).train(tasks[c], seq_runs[c]) for c in range(CLIENTS)]
+    handlers = [coh_pool.get(c) for c in range(CLIENTS)]
+    coh, fallbacks = train_handlers(handlers, tasks, coh_runs)
+    assert not fallbacks
+    assert [r.work.to_dict() for r in seq_runs] == [r.work.to_dict() for r in coh_runs]
+    assert sum(r.work.stopped == "budget" for r in seq_runs) >= 3
+    assert_close(seq, coh)
+    assert_close([seq_pool.get(c).state_dict() for c in range(CLIENTS)],
+                 [h.state_dict() for h in handlers])
+
+
+def test_a_clients_result_does_not_depend_on_its_cohort():
+    # the node gathers whatever tasks arrive together: which clients share a cohort must
+    # not change any client's result (each client's batch is padded to train.batch_size,
+    # so its shapes never depend on the others), or runs would not repeat
+    cfg = _cfg("fedavg")
+    server = build_handler(cfg)
+    bodies = _bodies(cfg, server, 0, {})
+
+    def delta(clients):
+        pool = ClientPool(cfg, torch.device("cpu"))
+        out = run_tasks([pool.get(c) for c in clients], [bodies[c] for c in clients], "on")
+        return out[0][0]["payload"]["delta"]
+
+    a, b = delta([0, 1]), delta([0, 3, 4, 5])
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_auto_trains_one_by_one_where_unsupported_and_says_why():
+    mlp = ClientPool(_cfg("fedavg"), torch.device("cpu"))
+    assert cohort_reason(mlp.get(0), "auto") is None
+    cnn4 = ClientPool(_cfg("fedavg", arch="cnn4"), torch.device("cpu"))
+    assert "convolutions" in cohort_reason(cnn4.get(0), "auto")
+    assert cohort_reason(cnn4.get(0), "on") is None  # on: forced where supported
+    assert "dropout" in cohort_unsupported(ClientPool(_cfg("fedavg", arch="cnn"),
+                                                      torch.device("cpu")).get(0))
+    # FedRep's own training loop (its head epochs): no functional loss, one by one
+    cfg = _cfg("fedrep")
+    pool = ClientPool(cfg, torch.device("cpu"))
+    server = build_handler(cfg)
+    bodies = _bodies(cfg, server, 0, {})[:3]
+    seq_pool = ClientPool(cfg, torch.device("cpu"))
+    expected = [run_task(seq_pool.get(c), b)[0] for c, b in enumerate(bodies)]
+    with capture_logs() as logs:
+        got = run_tasks([pool.get(c) for c in range(3)], bodies, "auto")
+    off = [e for e in logs if e["event"] == "cohort off"]
+    assert len(off) == 1 and "functional loss" in off[0]["reason"], logs
+    assert not any(e["event"] == "cohort trained" for e in logs)
+    for e, (g, _) in zip(expected, got):  # trained one by one: bit for bit
+        for k, v in e["payload"]["delta"].items():
+            np.testing.assert_array_equal(v, g["payload"]["delta"][k])
+    # FedProto's proto_source = "during": its functional_loss() says why not
+    cfg = _cfg("fedproto", algorithm={"proto_source": "during"})
+    pool = ClientPool(cfg, torch.device("cpu"))
+    server = build_handler(cfg)
+    with capture_logs() as logs:
+        run_tasks([pool.get(c) for c in range(3)], _bodies(cfg, server, 0, {})[:3], "on")
+    assert any(e["event"] == "cohort off" and "during" in e["reason"] for e in logs), logs
+
+
+# --------------------------------------------------------------------------- federations
+# FedProto (its regulariser from round 1) on the mlp, 4 clients in 2 nodes (cohorts of 2),
+# persisted momentum, partial work.
+FED = merged(TINY, model={"arch": "mlp"}, algorithm={"name": "fedproto"},
+             train={"epochs": 2, "momentum": 0.5, "optimizer_state": "persist"},
+             system={"partial_work": True, "partial_fraction": 0.5})
+
+
+@pytest.fixture(scope="module")
+def federations(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cohort")
+    return {mode: run_federation(tmp, merged(FED, train={"cohort": mode}), name=mode)[0]
+            for mode in ("off", "on")}
+
+
+def test_federation_cohort_on_equals_off(federations):
+    on, off = metrics(federations["on"]), metrics(federations["off"])
+    assert [r["round"] for r in on] == [r["round"] for r in off] == [0, 1, 2]
+    assert any(r["partial"] for r in on)
+    for a, b in zip(off, on):
+        assert a["participants"] == b["participants"]
+        assert a["partial_clients"] == b["partial_clients"]
+        assert a["loss_mean"] == pytest.approx(b["loss_mean"], rel=RTOL, abs=ATOL)
+        assert a["acc_mean"] == pytest.approx(b["acc_mean"], abs=1e-9)
+    logs = "".join(p.read_text() for p in (federations["on"] / "logs").glob("node-*.log"))
+    assert "cohort trained" in logs
+    assert "cohort trained" not in "".join(
+        p.read_text() for p in (federations["off"] / "logs").glob("node-*.log"))
+
+
+def test_federation_cohort_run_replays_identically(federations):
+    assert_identical(federations["on"], rounds=3)
