@@ -35,7 +35,7 @@ from fedbus.node.privacy.prototypes import protect
 from fedbus.node.validate import non_finite
 from fedbus.record.msglog import MessageLogWriter
 
-__all__ = ["ClientNode", "ClientPool", "node_threads", "run_task"]
+__all__ = ["ClientNode", "ClientPool", "node_threads", "run_alone", "run_task", "run_tasks"]
 
 log = get_logger("fedbus.node")
 
@@ -180,9 +180,6 @@ class ClientNode:
     def _safely_tasks(self, msgs: list[Message]) -> None:
         """Tasks gathered together: trained in cohorts where they may (run_tasks), each
         update sent as on_task sends it; any failure falls back to one task at a time."""
-        if len(msgs) == 1:
-            self._safely(msgs[0], self.on_task)
-            return
         try:
             self.on_tasks(msgs)
         except Exception:
@@ -217,7 +214,7 @@ class ClientNode:
         alone = [m for m in msgs if self.secure is not None and "secagg" in m.body]
         for msg in alone:
             self._answered.add(msg.dst)
-            self._safely(msg, self.on_task)
+            self._safely(msg, self.on_task)  # run_task: a cohort of one where supported
         rest = [m for m in msgs if m not in alone]
         while rest:
             room = self.pool.cohort_room(client_index(rest[0].dst))
@@ -442,7 +439,16 @@ def finish_task(handler: ClientHandler, body: dict[str, Any], run: LocalRun,
 
 def run_task(handler: ClientHandler, body: dict[str, Any]) -> tuple[dict[str, Any], float]:
     """One local update from a task body: the update body to send, and the
-    (virtual) seconds it took. Also used by `fedbus replay --client`."""
+    (virtual) seconds it took. Also used by `fedbus replay --client`. Where train.cohort
+    puts this client in cohorts, it trains as a cohort of one, so that its arithmetic is
+    the same whichever tasks it was gathered with (and a replay recomputes it)."""
+    if cohort_reason(handler, handler.ctx.train.get("cohort", "auto")) is None:
+        return run_tasks([handler], [body], handler.ctx.train.get("cohort", "auto"))[0]
+    return run_alone(handler, body)
+
+
+def run_alone(handler: ClientHandler, body: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    """run_task one by one: the handler's own train() and run_local loop."""
     seed_torch(int(body["seed"]), handler.ctx.device)
     run = make_run(handler, body)
     payload = handler.train(body["payload"], run)
@@ -480,13 +486,15 @@ def run_tasks(handlers: list[ClientHandler], bodies: list[dict[str, Any]],
     out: list[tuple[dict[str, Any], float] | None] = [None] * len(handlers)
     joint: list[int] = []
     for i, h in enumerate(handlers):
-        reason = cohort_reason(h, mode) if len(handlers) > 1 else "one task"
+        # a lone supported task too: a client's arithmetic must not depend on which tasks
+        # arrived with it (the node's gathering is a matter of timing)
+        reason = cohort_reason(h, mode)
         if reason is None:
             joint.append(i)
-        elif reason not in logged and mode != "off" and reason != "one task":
+        elif reason not in logged and mode != "off":
             logged.add(reason)
             log.info("cohort off", reason=reason, algorithm=type(h).__name__)
-    if len(joint) > 1:
+    if joint:
         hs = [handlers[i] for i in joint]
         bs = [bodies[i] for i in joint]
         runs = [make_run(h, b) for h, b in zip(hs, bs)]
@@ -505,7 +513,7 @@ def run_tasks(handlers: list[ClientHandler], bodies: list[dict[str, Any]],
                  seconds=round(time.monotonic() - start, 4))
     for i, h in enumerate(handlers):
         if out[i] is None:
-            out[i] = run_task(h, bodies[i])
+            out[i] = run_alone(h, bodies[i])
     return out
 
 

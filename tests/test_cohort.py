@@ -23,6 +23,7 @@ from helpers import TINY, merged, metrics, run_federation
 from structlog.testing import capture_logs
 from test_replay import assert_identical
 
+from fedbus.algorithms.core import cohort
 from fedbus.algorithms.core.cohort import cohort_unsupported, train_handlers
 from fedbus.algorithms.core.handlers import ClientUpdate, LocalRun, RoundInfo, Work
 from fedbus.broker.wire import decode_body, encode_body
@@ -130,21 +131,27 @@ def assert_close(a, b) -> None:
             assert x == y, key
 
 
-@pytest.mark.parametrize("algorithm,params,state", [
-    ("fedavg", {}, "fresh"),
-    ("fedprox", {"mu": 0.1}, "persist"),
-    ("fedproto", {}, "persist"),  # proto_loss = mse, the default
-    ("fedproto", {"proto_loss": "eq8_mean"}, "fresh"),
-    ("local", {}, "persist"),
+@pytest.mark.parametrize("algorithm,params,state,tail", [
+    ("fedavg", {}, "fresh", 2),
+    ("fedavg", {}, "fresh", 6),
+    ("fedprox", {"mu": 0.1}, "persist", 2),
+    ("fedproto", {}, "persist", 2),  # proto_loss = mse, the default
+    ("fedproto", {}, "persist", 4),
+    ("fedproto", {"proto_loss": "eq8_mean"}, "fresh", 2),
+    ("local", {}, "persist", 3),
 ])
-def test_cohort_equals_one_by_one(algorithm, params, state):
+def test_cohort_equals_one_by_one(algorithm, params, state, tail, monkeypatch):
     # unequal client sizes, two clients on partial work (one of them below one epoch),
     # momentum, weight decay, lr decay; every update body (payload, work, loss) and every
-    # client's state after 3 rounds (weights, momentum buffers, last loss)
-    cfg = _cfg(algorithm, algorithm=params, train={"optimizer_state": state})
+    # client's state after 3 rounds (weights, momentum buffers, last loss). `tail`: below
+    # this many live clients the rest finish one by one (2: the stack shrinks client by
+    # client; 6 = every client: one by one as soon as the first run ends)
+    monkeypatch.setattr(cohort, "TAIL_CPU", tail)
+    off = _cfg(algorithm, algorithm=params, train={"optimizer_state": state, "cohort": "off"})
+    on = _cfg(algorithm, algorithm=params, train={"optimizer_state": state, "cohort": "on"})
     partial = {1: 0.4, 4: 1.5}
-    seq = _federate(cfg, ClientPool(cfg, torch.device("cpu")), cohort=False, partial=partial)
-    coh = _federate(cfg, ClientPool(cfg, torch.device("cpu")), cohort=True, partial=partial)
+    seq = _federate(off, ClientPool(off, torch.device("cpu")), cohort=False, partial=partial)
+    coh = _federate(on, ClientPool(on, torch.device("cpu")), cohort=True, partial=partial)
     assert [u["work"] for u in seq[0]] == [u["work"] for u in coh[0]]
     assert {u["work"]["stopped"] for u in seq[0]} == {"done", "partial"}
     assert len({u["work"]["steps"] for u in seq[0]}) > 3  # the clients' runs differ in length
@@ -152,13 +159,14 @@ def test_cohort_equals_one_by_one(algorithm, params, state):
     assert_close(seq[1], coh[1])
 
 
-def test_evicted_and_restored_clients_in_a_cohort():
+def test_evicted_and_restored_clients_in_a_cohort(monkeypatch):
     # a budget that holds about two clients: every round restores most clients from their
     # packed state and the cohort trains in chunks of what fits; FedProto with persisted
     # momentum, so the restored state matters
+    monkeypatch.setattr(cohort, "TAIL_CPU", 2)
+    off = _cfg("fedproto", train={"optimizer_state": "persist", "cohort": "off"})
+    seq = _federate(off, ClientPool(off, torch.device("cpu")), cohort=False)
     cfg = _cfg("fedproto", train={"optimizer_state": "persist"})
-    roomy = ClientPool(cfg, torch.device("cpu"))
-    seq = _federate(cfg, roomy, cohort=False)
     tight = ClientPool(cfg, torch.device("cpu"), memory_mb=2.0, evict_to="memory")
     coh = _federate(cfg, tight, cohort=True)
     assert tight.evictions > CLIENTS and tight.restores > CLIENTS
@@ -168,9 +176,10 @@ def test_evicted_and_restored_clients_in_a_cohort():
     assert_close([s for s, _ in seq[1]], [s for s, _ in coh[1]])
 
 
-def test_budget_cut_clients_are_masked_not_moved():
+def test_budget_cut_clients_are_masked_not_moved(monkeypatch):
     # each run on its own step-counting clock: its budget cuts it after a set number of
     # steps, one by one and in the cohort alike; clients cut early stay where they stopped
+    monkeypatch.setattr(cohort, "TAIL_CPU", 2)
     cfg = _cfg("fedprox", algorithm={"mu": 0.05})
     budgets = [0.035, 0.105, 0.0, 0.055, 1.0, 0.025]
 
@@ -202,19 +211,20 @@ def test_budget_cut_clients_are_masked_not_moved():
 def test_a_clients_result_does_not_depend_on_its_cohort():
     # the node gathers whatever tasks arrive together: which clients share a cohort must
     # not change any client's result (each client's batch is padded to train.batch_size,
-    # so its shapes never depend on the others), or runs would not repeat
-    cfg = _cfg("fedavg")
+    # so its shapes never depend on the others; a lone task trains as a cohort of one), or
+    # runs would not repeat; `fedbus replay --client` (run_task) recomputes it bit for bit
+    cfg = _cfg("fedproto")
     server = build_handler(cfg)
     bodies = _bodies(cfg, server, 0, {})
 
-    def delta(clients):
+    def protos(clients):
         pool = ClientPool(cfg, torch.device("cpu"))
         out = run_tasks([pool.get(c) for c in clients], [bodies[c] for c in clients], "on")
-        return out[0][0]["payload"]["delta"]
+        return out[0][0]["payload"]["protos"]
 
-    a, b = delta([0, 1]), delta([0, 3, 4, 5])
-    for k in a:
-        np.testing.assert_array_equal(a[k], b[k])
+    alone = run_task(ClientPool(cfg, torch.device("cpu")).get(0), bodies[0])[0]
+    for other in (protos([0, 1]), protos([0, 3, 4, 5])):
+        np.testing.assert_array_equal(alone["payload"]["protos"], other)
 
 
 def test_auto_trains_one_by_one_where_unsupported_and_says_why():

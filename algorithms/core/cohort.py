@@ -20,10 +20,12 @@ What stays each client's own, exactly as `LocalClient.run_local` would do it alo
 - its loss: the handler's `functional_loss()` (the hook below), with its own constants
   (FedProx's anchor, FedProto's global prototypes).
 
-Masking, not padding into wrong updates: a client with no batch at a step (it finished its
-epochs, its partial work or its budget; unequal data sizes) is masked: its parameters and
-momentum buffers are selected unchanged (`torch.where`), whatever the stacked arithmetic
-computed for it.
+Masking, not padding into wrong updates: a client whose run yields no more batches (it
+finished its epochs, its partial work or its budget; unequal data sizes) leaves the stack:
+its parameters and momentum buffers are set aside as they are and no later step computes
+anything for it (compaction rather than a `torch.where` mask, so a cohort of unequal
+clients costs the sum of their steps, not K times the longest run's: measured 4x slower
+than one by one on power-law sizes with a mask).
 
 Unequal batch sizes (a client's last batch of an epoch): every client's batch is padded to
 train.batch_size rows with a per-sample weight w (1 real, 0 padding), and the functional
@@ -62,7 +64,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.func import functional_call, grad_and_value, vmap
+from torch.func import functional_call, vmap
 
 __all__ = ["FunctionalLoss", "CohortMember", "weighted_ce", "cohort_unsupported",
            "model_unsupported", "train_cohort", "train_handlers"]
@@ -236,11 +238,38 @@ def _per_client(values: list[float], like: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, *([1] * (like.dim() - 1)))
 
 
-def train_cohort(members: Sequence[CohortMember]) -> list[float]:
+def _take(tree: Any, index: torch.Tensor) -> Any:
+    if isinstance(tree, Mapping):
+        return {k: _take(v, index) for k, v in tree.items()}
+    return tree.index_select(0, index)
+
+
+def _tail_default(device: torch.device) -> int:
+    """Fewest live clients a vectorised step is taken for; below it the rest finish one by
+    one. A vmap step costs a near-fixed overhead (on the 2-core CPU about what 5-8 sequential
+    steps of the mlp at batch 10 cost), so a tail > 1 is faster on unequal client sizes, but
+    a client's arithmetic then depends on which clients share its cohort (where it switches),
+    and the node's cohorts depend on message timing: runs would no longer repeat bit for bit.
+    1 (default): every step vectorised, a client's result independent of its cohort."""
+    return TAIL_CUDA if device.type == "cuda" else TAIL_CPU
+
+
+TAIL_CPU = TAIL_CUDA = 1
+
+
+def train_cohort(members: Sequence[CohortMember], tail: int | None = None) -> list[float]:
     """Train the members' networks as one cohort (module docstring); each network ends with
     the parameters, and each optimizer with the momentum buffers, that its sequential run
     would leave (up to float32 reordering). Returns each member's mean training loss (nan
-    where its run took no step), summed in step order as run_local sums it."""
+    where its run took no step), summed in step order as run_local sums it.
+
+    Masking by compaction: the stack holds the clients whose runs still yield batches; when
+    a run ends, its client's rows are set aside as they are (no later step touches them) and
+    the stack shrinks to the others, so a cohort of unequal clients costs the sum of its
+    clients' steps, not K times the longest run's. Once fewer than `tail` clients are left
+    (default: _tail_default), they finish one by one: their rows go back into their
+    networks and optimizers and each takes its remaining steps with the same functional loss
+    over its own network and its own torch SGD."""
     k_all = len(members)
     if k_all == 0:
         return []
@@ -249,22 +278,23 @@ def train_cohort(members: Sequence[CohortMember]) -> list[float]:
     own = [[dict(m.model.named_parameters())[n] for n in names] for m in members]
     for m in members:
         m.model.train()
-    gens = [iter(m.run.batches()) for m in members]
+    gens: list[Any] = [iter(m.run.batches()) for m in members]
     bs = int(members[0].run.ctx.train["batch_size"])
 
-    def pull() -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    def pull(idx: list[int]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         out = []
-        for k, g in enumerate(gens):
+        for k in idx:
             item = None
-            if g is not None:
+            if gens[k] is not None:
                 try:
-                    item = next(g)
+                    item = next(gens[k])
                 except StopIteration:
                     gens[k] = None
             out.append(item)
         return out
 
-    batch = pull()  # the first pull starts each run's optimizer (train.optimizer_state, lr)
+    idx = list(range(k_all))
+    batch = pull(idx)  # the first pull starts each run's optimizer (optimizer_state, lr)
     groups = [m.optimizer.param_groups[0] for m in members]
     lrs = [float(g["lr"]) for g in groups]
     moms = [float(g["momentum"]) for g in groups]
@@ -290,85 +320,150 @@ def train_cohort(members: Sequence[CohortMember]) -> list[float]:
         h, logits = functional_call(split, {prefixed[n]: v for n, v in params.items()}, (x,))
         return fn(h, logits, y, w, params, consts)
 
-    step_fn = vmap(grad_and_value(client_loss))
+    batched_loss = vmap(client_loss)
+
+    def step_fn(params, consts, x, y, w):
+        # the forward vmapped, the backward torch's autograd over the sum of the clients'
+        # losses: each client's loss depends on its own rows only, so the gradient of the sum
+        # in its rows is its own loss's (cheaper per step than vmap(grad(...)) here)
+        leaves = {n: v.detach().requires_grad_() for n, v in params.items()}
+        loss = batched_loss(leaves, consts, x, y, w)
+        grads = torch.autograd.grad(loss.sum(), [leaves[n] for n in names])
+        return dict(zip(names, grads)), loss.detach()
     uniform = _uniform(lrs) and _uniform(moms) and _uniform(wds)
-    if not uniform:
-        lr_t = {n: _per_client(lrs, P[n]) for n in names}
-        mom_t = {n: _per_client(moms, P[n]) for n in names}
-        wd_t = {n: _per_client(wds, P[n]) for n in names}
     lr, mom, wd = lrs[0], moms[0], wds[0]
 
-    x_shape = y_dtype = None
-    losses: list[torch.Tensor] = []
-    masks: list[list[bool]] = []
-    ones = None
-    while any(b is not None for b in batch):
-        live = [b is not None for b in batch]
-        sizes = [0 if b is None else len(b[1]) for b in batch]
+    def hyper(values: list[float], like: torch.Tensor) -> torch.Tensor:
+        return _per_client(values, like)
+
+    final_p: dict[int, dict[str, torch.Tensor]] = {}
+    final_b: dict[int, dict[str, torch.Tensor]] = {}
+    steps = [0] * k_all
+    losses: list[tuple[torch.Tensor, list[int]]] = []
+    tail_losses: dict[int, list[float]] = {}
+    tail = _tail_default(dev) if tail is None else int(tail)
+    ones = x_shape = None
+    while True:
+        live = [j for j, b in enumerate(batch) if b is not None]
+        if 0 < len(live) < tail:  # the last few: one by one
+            for j in live:
+                k = idx[j]
+                _install(members[k], own[k], names, {n: P[n][j] for n in names},
+                         {n: bufs[n][j] for n in names} if use_mom and moms[k] else None)
+                tail_losses[k] = _finish_alone(members[k], own[k], names, batch[j], gens[k])
+                steps[k] += len(tail_losses[k])
+                batch[j] = None
+            live = []
+        if len(live) < len(idx):  # runs that ended: their rows set aside, the stack shrinks
+            for j, k in enumerate(idx):
+                if batch[j] is None:
+                    final_p[k] = {n: P[n][j] for n in names}
+                    if use_mom:
+                        final_b[k] = {n: bufs[n][j] for n in names}
+            if not live:
+                break
+            keep = torch.tensor(live, device=dev)
+            P = _take(P, keep)
+            bufs = _take(bufs, keep)
+            C = _take(C, keep) if C else C
+            idx = [idx[j] for j in live]
+            batch = [batch[j] for j in live]
+            ones = None
+        k_now = len(idx)
+        sizes = [len(b[1]) for b in batch]
         if x_shape is None:
-            ref = next(b for b in batch if b is not None)
-            x_shape, y_dtype = tuple(ref[0].shape[1:]), ref[1].dtype
-            x_dtype = ref[0].dtype
-            ones = torch.ones(k_all, bs, device=dev)
-        if all(live) and all(s == bs for s in sizes):
+            x_shape, x_dtype, y_dtype = tuple(batch[0][0].shape[1:]), batch[0][0].dtype, \
+                batch[0][1].dtype
+        if all(size == bs for size in sizes):
             X = torch.stack([b[0] for b in batch])
             Y = torch.stack([b[1] for b in batch])
+            if ones is None:
+                ones = torch.ones(k_now, bs, device=dev)
             W = ones
-        else:
-            X = torch.zeros((k_all, bs, *x_shape), dtype=x_dtype, device=dev)
-            Y = torch.zeros((k_all, bs), dtype=y_dtype, device=dev)
-            W = torch.zeros((k_all, bs), device=dev)
-            for k, b in enumerate(batch):
-                if b is not None:
-                    X[k, :sizes[k]] = b[0]
-                    Y[k, :sizes[k]] = b[1]
-                    W[k, :sizes[k]] = 1.0
+        else:  # some client's last batch of an epoch: padded, its padding weighed 0
+            X = torch.zeros((k_now, bs, *x_shape), dtype=x_dtype, device=dev)
+            Y = torch.zeros((k_now, bs), dtype=y_dtype, device=dev)
+            W = torch.zeros((k_now, bs), device=dev)
+            for j, b in enumerate(batch):
+                X[j, :sizes[j]] = b[0]
+                Y[j, :sizes[j]] = b[1]
+                W[j, :sizes[j]] = 1.0
         grads, loss = step_fn(P, C, X, Y, W)
-        mask = None if all(live) else torch.tensor(live, device=dev)
         for n in names:
             p, g = P[n], grads[n]
-            if uniform:
+            if uniform:  # torch.optim.SGD's arithmetic (single-tensor path), op for op
                 if wd != 0:
                     g = g.add(p, alpha=wd)
                 if use_mom and mom != 0:
-                    b = bufs[n].mul(mom).add(g)
-                    g = b
-                new = p.add(g, alpha=-lr)
-            else:
-                g = g + wd_t[n] * p
-                b = bufs[n] * mom_t[n] + g
-                new = p - lr_t[n] * b
-            if mask is not None:
-                shape = (-1, *([1] * (p.dim() - 1)))
-                mk = mask.reshape(shape)
-                new = torch.where(mk, new, p)
+                    bufs[n] = bufs[n].mul(mom).add(g)
+                    g = bufs[n]
+                P[n] = p.add(g, alpha=-lr)
+            else:  # clients of different rates (tasks of different rounds: lr_decay)
+                g = g + hyper([wds[k] for k in idx], p) * p
                 if use_mom:
-                    b = torch.where(mk, b, bufs[n])
-            P[n] = new
-            if use_mom:
-                bufs[n] = b
-        losses.append(loss)
-        masks.append(live)
-        batch = pull()
+                    bufs[n] = bufs[n] * hyper([moms[k] for k in idx], p) + g
+                    g = bufs[n]
+                P[n] = p - hyper([lrs[k] for k in idx], p) * g
+        losses.append((loss, idx))
+        for k in idx:
+            steps[k] += 1
+        batch = pull(idx)
 
     # each client's state back into its own network and optimizer
-    steps = [sum(m[k] for m in masks) for k in range(k_all)]
-    table = torch.stack(losses).tolist() if losses else []
+    table = torch.cat([t for t, _ in losses]).tolist() if losses else []
+    totals = [0.0] * k_all
+    pos = 0
+    for _, ids in losses:  # summed in step order, as run_local's total += loss.item()
+        for k in ids:
+            totals[k] += table[pos]
+            pos += 1
     out = []
-    with torch.no_grad():
-        for k, m in enumerate(members):
-            for i, n in enumerate(names):
-                p = own[k][i]
-                p.copy_(P[n][k])
-                if steps[k]:
+    for k, m in enumerate(members):
+        if k in tail_losses:  # finished in place
+            for value in tail_losses[k]:
+                totals[k] += value
+        else:
+            _install(m, own[k], names, final_p[k],
+                     final_b[k] if use_mom and moms[k] and steps[k] else None)
+            if steps[k]:
+                for p in own[k]:
                     p.grad = torch.zeros_like(p)
-                    if use_mom and moms[k] != 0:
-                        m.optimizer.state[p]["momentum_buffer"] = bufs[n][k].clone()
-            total = 0.0
-            for row, live in zip(table, masks):
-                if live[k]:
-                    total += row[k]
-            out.append(total / steps[k] if steps[k] else float("nan"))
+        out.append(totals[k] / steps[k] if steps[k] else float("nan"))
+    return out
+
+
+@torch.no_grad()
+def _install(member: CohortMember, params: list[torch.Tensor], names: list[str],
+             values: Mapping[str, torch.Tensor], bufs: Mapping[str, torch.Tensor] | None) -> None:
+    """A client's rows of the stack into its own network (and momentum buffers into its
+    optimizer's state, as torch's SGD keeps them)."""
+    for p, n in zip(params, names):
+        p.copy_(values[n])
+        if bufs is not None:
+            member.optimizer.state[p]["momentum_buffer"] = bufs[n].clone()
+
+
+def _finish_alone(member: CohortMember, params: list[torch.Tensor], names: list[str],
+                  first: tuple[torch.Tensor, torch.Tensor], gen: Any) -> list[float]:
+    """A client's remaining steps one by one (its pending batch `first`, then the rest of its
+    run): its functional loss over its own network, its own optimizer's step; the losses."""
+    model, opt, loss_fn = member.model, member.optimizer, member.loss
+    named = dict(zip(names, params))
+    out = []
+    item: Any = first
+    while item is not None:
+        x, y = item
+        opt.zero_grad(set_to_none=True)
+        h = model.features(x)
+        loss = loss_fn.fn(h, model.head(h), y, torch.ones(len(y), device=y.device), named,
+                          loss_fn.consts)
+        loss.backward()
+        opt.step()
+        out.append(loss.item())
+        try:
+            item = next(gen)
+        except StopIteration:
+            item = None
     return out
 
 
@@ -425,7 +520,13 @@ def train_handlers(handlers: Sequence[Any], tasks: Sequence[Mapping[str, Any]],
         model = handlers[i].ctx.model
         shapes = tuple((k, tuple(p.shape)) for k, p in model.named_parameters()
                        if p.requires_grad)
-        key = (type(handlers[i]), type(model), shapes, loss.key,
+        group = handlers[i].optimizer.param_groups[0]
+        # one set of rates per cohort (the same arithmetic for every client, whatever the
+        # cohort: tasks of different rounds differ by train.lr_decay)
+        rates = (runs[i].lr_factor, group["lr"], group.get("fedbus_base_lr"),
+                 group.get("fedbus_lr"), group["momentum"], group["weight_decay"],
+                 handlers[i].ctx.train.get("optimizer_state", "fresh"))
+        key = (type(handlers[i]), type(model), shapes, loss.key, rates,
                tuple((k, tuple(torch.as_tensor(v).shape)) for k, v in _flat(loss.consts)))
         cohorts.setdefault(key, []).append(i)
     mean_loss: dict[int, float] = {}
