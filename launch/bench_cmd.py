@@ -30,6 +30,9 @@ BENCHES = {
     "fuzz": ("fuzz", ("coverage-guided fuzzing (atheris) of every decoder of outside input: "
                       "frames, configs, partition, checkpoint, message log, metrics, keys, "
                       "client states; inputs tried and crashes per target")),
+    "chaos": ("chaos", ("a long federation under a seeded storm of kills and stops (nodes, "
+                        "broker, relay, server with --resume); invariants checked from the "
+                        "run's files at the end")),
     "secagg": ("secagg", ("time and bytes per round at 10, 100 and 1,000 clients with and "
                           "without secure aggregation (no-op training), the secure round's "
                           "phases, against the issue's target")),
