@@ -66,6 +66,7 @@ MAX_REGISTER_BYTES = 2 * 1024 * 1024
 _UNLIMITED = 1 << 62
 
 # kinds a node may send to the broker itself (dst "broker")
+ENDED_RUNS = 64  # runs whose shutdown a late-registering node is sent (Broker._ended)
 _CONTROL_KINDS = frozenset({"register", "heartbeat", "leave", "shutdown"})
 # kinds a node never sends to another node: only the broker sends ready/join/leave notices,
 # and register/heartbeat/leave requests go to "broker"
@@ -369,6 +370,10 @@ class Broker:
         self._stop = False
         self._closed = False
         self._last_not_reg: dict[bytes, float] = {}
+        # run -> (header, body) of its server's shutdown broadcast: a client node of that run
+        # that registers afterwards (stopped or cut off past the end) is sent it then, or it
+        # would wait for a finished run forever. The newest ENDED_RUNS runs are kept.
+        self._ended: dict[str, tuple[bytes, bytes]] = {}
         # counters (totals) and the per-second snapshot
         self.n_routed = 0
         self.n_bytes = 0
@@ -680,6 +685,11 @@ class Broker:
 
     def broadcast(self, node: Node, hdr: bytes, body, kind: str, src: str, seq: int) -> None:
         """Server -> "*": one copy to every client node."""
+        if kind == "shutdown" and node.run:
+            self._ended.pop(node.run, None)
+            if len(self._ended) >= ENDED_RUNS:
+                del self._ended[next(iter(self._ended))]
+            self._ended[node.run] = (bytes(hdr), bytes(_buf(body)))
         if not self.client_nodes:
             self.refuse(node, kind, src, BROADCAST, seq, "unroutable",
                         "broadcast with no client node registered")
@@ -1002,12 +1012,19 @@ class Broker:
             "clients": list(clients), "max_frame": self.max_frame,
         }, run=run))
         if role == "server":
+            self._ended.pop(run, None)  # the run goes on (resumed)
             for cn in list(self.client_nodes.values()):
                 self.send_to(rid, self._msg("join", SERVER, {
                     "node": cn.name, "clients": list(cn.clients), "reason": "registered"},
                     run=cn.run))
         else:
             self.notify_server("join", node, "registered")
+            ended = self._ended.get(run) if run else None
+            if ended is not None:  # its run ended while it was away: the shutdown it missed
+                self.log.info("shutdown sent to a node registering after its run ended",
+                              node=name, run=run)
+                self.route(b"", node, ended[0], ended[1], "shutdown", SERVER, BROADCAST, 0,
+                           len(ended[1]))
         self.unpark(node)
 
     def _register_error(self, rid: bytes, name: str, code: str, reason: str, **extra) -> None:
