@@ -542,9 +542,12 @@ class ServerNode:
             self.run.append_metrics(engine.records)
             engine.records.clear()
         # A sync round ends with its evaluation, so its checkpoint waits for the record:
-        # a resumed run then never lacks the metrics of a round it counts as done.
+        # a resumed run then never lacks the metrics of a round it counts as done. An async
+        # evaluation's record comes when it ends, after later aggregations: no checkpoint
+        # while one is outstanding, or a resume would count its version done unrecorded.
         if drained or (engine.async_mode and engine.version != version_before):
-            self._checkpoint()
+            if not (engine.async_mode and engine.evals):
+                self._checkpoint()
             if self.msglog is not None:
                 self._log_quiet(time.time())
                 self.msglog.flush()

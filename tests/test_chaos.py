@@ -210,3 +210,35 @@ def test_a_short_storm_passes_every_invariant(tmp_path):
     assert res["rounds_completed"] == 14, text
     assert res["history"]["resumes"] >= ("server_kill" in injected), text
 
+
+def test_window_fails_a_record_the_checkpoint_counts_done_but_metrics_lack():
+    kill = {"fault": 2, "metrics_version": 12, "metrics_versions": [*range(1, 10), 11, 12],
+            "checkpoint_version": 12}
+    v = check_window([kill], _records(range(1, 13)), 12, "async")
+    assert len(v) == 1 and "[10]" in v[0].detail and v[0].rounds == [9]
+    # async records may come out of order (one waits for its evaluation); sync ones may not
+    shuffled = _records([*range(1, 10), 11, 10, 12])
+    assert check_window([], shuffled, 12, "async") == []
+    assert "out of order" in check_window([], shuffled, 12, "sync")[0].detail
+
+
+@pytest.mark.slow
+def test_an_async_server_killed_while_an_evaluation_waits_loses_no_record(tmp_path):
+    """The second bug the storm found (`fedbus bench chaos --seed 4 --rounds 24 --mode async
+    --relay --algorithm fedavg` wrote version 10's record after version 19's): an async
+    evaluation's record is written when the evaluation ends, after later aggregations, and
+    the server checkpointed each aggregation regardless, so a server killed while one
+    waited resumed from a checkpoint that counted its version done, and its record was
+    never written. Here node-0 is stopped right after version 9's record, so version 10's
+    evaluation waits for its clients while node-1's go on, and the server is killed as
+    soon as a later record lands."""
+    from fedbus.bench.chaos import Fault
+
+    faults = [Fault(0, "node_stop", "node-0", 9, "mid_round", 3.5, 0.0),
+              Fault(1, "server_kill", "server", 10, "mid_round", 0.3, 0.0)]
+    args = _args(seed=5, rounds=16, timeout=240.0, slow_factor=4.0, links="off")
+    res = chaos.run_storm(args, mode="async", relay=False, algorithm="fedavg",
+                          out=tmp_path / "storm", say=lambda s: None, faults=faults)
+    text = chaos.table(res)
+    assert all(f["injected"] for f in res["faults"]), text
+    assert res["violations"] == [], text
