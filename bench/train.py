@@ -67,6 +67,28 @@ then, with DIR = HtFLlib/dataset/FEDBUS, from HtFLlib/system:
         -lr 0.01 -lam 1 -eg 1 -fd 512 -ncl 10 -dev cpu
 
 (its last line of timing is the mean time per round after the first).
+
+Cohort training (train.cohort, fedbus.algorithms.core.cohort), side by side in one
+invocation: --cohort off|on|auto runs fedbus alone in that mode; --cohort both runs it
+twice, off then on, on the same partition and seeds, and prints per-round time and accuracy
+of each with their ratio (no reference loop unless --reference names one). --setting picks
+the row: "fedproto-mnist" (default, the row above: cnn4, where auto is off on the CPU) or
+"michieli-synthetic" (Michieli & Ozay's synthetic setting as the michieli-synthetic recipe:
+FedProx's synthetic data phi1 = phi2 = 1, 60-dim, 10 classes, natural power-law sizes, 80/20
+split, mlp:128 with a 256-d feature layer, batch 10, lr 0.01, no momentum, F = 20 local
+epochs; every one of the 30 clients in every round, where the recipe samples 10, so a node's
+cohort holds its 15). --algorithm, --arch, --epochs, --clients, --nodes override the
+setting's. --device cuda puts the nodes on the GPU (launch.devices) and then samples the
+GPU's utilisation during each run (torch.cuda.utilization, else nvidia-smi; "unavailable"
+when neither answers) and measures, in this process on that device, the share of a FedProto
+local epoch spent in prototype maths (--proto-share forces it on the CPU): one epoch of
+--proto-clients clients through the node's own task path (run_tasks) with every class's
+global prototype present, against the same epoch with none (the loss is then the plain
+cross-entropy), plus the eq. 3 prototype pass after training, each timed apart.
+
+    fedbus bench train --cohort both --setting michieli-synthetic --rounds 3
+    fedbus bench train --cohort both --rounds 3            # the cnn4 row (auto: off on CPU)
+    fedbus bench train --cohort both --device cuda --nodes 1 --clients 50 --rounds 3
 """
 from __future__ import annotations
 
@@ -87,21 +109,24 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 MNIST = REPO.parent / "shared" / "data" / "mnist-10k.npz"
 STYLES = ("htfllib", "lean")
+SETTINGS = ("fedproto-mnist", "michieli-synthetic")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=5, help="rounds for both sides (default 5)")
-    p.add_argument("--clients", type=int, default=20)
+    p.add_argument("--clients", type=int, default=None,
+                   help="clients (default 20; 30 for michieli-synthetic)")
     p.add_argument("--alpha", type=float, default=0.1, help="Dirichlet label skew (default 0.1)")
-    p.add_argument("--arch", default="cnn4", help="model.arch (default cnn4)")
+    p.add_argument("--arch", default=None,
+                   help="model.arch (default cnn4; mlp:128 for michieli-synthetic)")
     p.add_argument("--batch-size", type=int, default=10)
     p.add_argument("--nodes", type=int, default=2, help="fedbus client-node processes (default 2)")
     p.add_argument("--data", default=str(MNIST),
                    help="an npz file, or a dataset name such as digits "
                    "(default ../shared/data/mnist-10k.npz)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--reference", choices=[*STYLES, "both", "none"], default="both",
-                   help="reference loop style(s) to run (default both)")
+    p.add_argument("--reference", choices=[*STYLES, "both", "none"], default=None,
+                   help="reference loop style(s) to run (default both; none with --cohort)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads of the reference (default 0: every core this process "
                    "may use, torch's default and so HtFLlib's)")
@@ -109,6 +134,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="FILE", help="also write the figures here")
     p.add_argument("--export-htfllib", default=None, metavar="DIR",
                    help="write the partition in HtFLlib's dataset layout to DIR and exit")
+    p.add_argument("--cohort", type=_cohort_modes, default=None, metavar="MODES",
+                   help="cohort training: run fedbus with train.cohort = off, on or auto, or "
+                   "several side by side (both = off,on; e.g. off,auto); no reference loop "
+                   "unless --reference is given")
+    p.add_argument("--partition", default=None,
+                   help="data.partition (michieli-synthetic: natural, its power-law sizes; "
+                   "iid = equal sizes)")
+    p.add_argument("--setting", choices=SETTINGS, default="fedproto-mnist",
+                   help="the row: fedproto-mnist (default) or michieli-synthetic")
+    p.add_argument("--algorithm", default=None,
+                   help="algorithm.name (default: fedproto; fedavg for michieli-synthetic)")
+    p.add_argument("--epochs", type=int, default=None,
+                   help="local epochs (default 1; 20 for michieli-synthetic)")
+    p.add_argument("--device", default=None,
+                   help="launch.devices for the nodes: cpu, cuda, cuda:N (default: the "
+                   "config's auto)")
+    p.add_argument("--rows", default=None, metavar="ARCH:CLIENTS,...",
+                   help="with --cohort: several rows in one invocation, each an architecture "
+                   "and a client count (e.g. cnn4:20,cnn4:100,resnet8:20), one summary table "
+                   "at the end")
+    p.add_argument("--proto-share", action="store_true",
+                   help="measure the prototype maths' share of a FedProto local epoch "
+                   "(always with --device cuda)")
+    p.add_argument("--proto-clients", type=int, default=0,
+                   help="clients in that measurement (default: the clients a node hosts)")
+
+
+def _cohort_modes(value: str) -> str:
+    modes = ["off", "on"] if value == "both" else value.split(",")
+    if not modes or any(m not in ("off", "on", "auto") for m in modes):
+        raise argparse.ArgumentTypeError(f"--cohort: off, on, auto, both or a comma list of "
+                                         f"them, not {value!r}")
+    return value
 
 
 def dataset_spec(data: str) -> str:
@@ -116,19 +174,43 @@ def dataset_spec(data: str) -> str:
     return f"npz:{data}" if Path(data).is_file() else data
 
 
+def defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """The options the setting decides where they were not given."""
+    synthetic = getattr(args, "setting", "fedproto-mnist") == "michieli-synthetic"
+    for key, plain, michieli in (("clients", 20, 30), ("arch", "cnn4", "mlp:128"),
+                                 ("algorithm", "fedproto", "fedavg"), ("epochs", 1, 20)):
+        if getattr(args, key, None) is None:
+            setattr(args, key, michieli if synthetic else plain)
+    if getattr(args, "reference", None) is None:
+        args.reference = "none" if getattr(args, "cohort", None) else "both"
+    return args
+
+
 def sections(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """The row's config (as /work/perf/fedproto-row.toml), from the options."""
-    return {
+    defaults(args)
+    cfg = {
         "federation": {"clients": args.clients, "rounds": args.rounds, "eval_every": 1,
                        "seed": args.seed, "start_timeout_s": 600.0},
         "data": {"dataset": dataset_spec(args.data), "partition": "dirichlet",
                  "alpha": args.alpha},
         "model": {"arch": args.arch},
-        "algorithm": {"name": "fedproto"},
-        "train": {"epochs": 1, "batch_size": args.batch_size, "lr": 0.01},
+        "algorithm": {"name": args.algorithm},
+        "train": {"epochs": args.epochs, "batch_size": args.batch_size, "lr": 0.01},
         "launch": {"nodes": args.nodes},
         "log": {"level": "warning"},
     }
+    if getattr(args, "setting", None) == "michieli-synthetic":  # recipes/michieli.toml
+        cfg["data"] = {"dataset": "synthetic", "synthetic_alpha": 1.0, "synthetic_beta": 1.0,
+                       "partition": "natural", "test_fraction": 0.2}
+        if getattr(args, "partition", None):
+            cfg["data"]["partition"] = args.partition
+        if args.arch == "mlp:128":
+            cfg["model"]["feature_dim"] = 256
+        cfg["train"]["momentum"] = 0.0
+    if getattr(args, "device", None):
+        cfg["launch"]["devices"] = [args.device]
+    return cfg
 
 
 def summary_stats(per_round: list[float]) -> dict[str, float]:
@@ -137,12 +219,20 @@ def summary_stats(per_round: list[float]) -> dict[str, float]:
 
 
 # --------------------------------------------------------------------------- fedbus
-def fedbus_side(cfg: dict[str, dict[str, Any]], out: Path) -> dict[str, Any]:
+def fedbus_side(cfg: dict[str, dict[str, Any]], out: Path,
+                name: str = "fedbus") -> dict[str, Any]:
     """One real `fedbus run` of cfg: per-round times and accuracies from its metrics,
     and the partition its nodes trained and tested on (from the server's message log)."""
-    from fedbus.bench.common import run
+    from fedbus.bench.common import run, watch, write_toml
+    from fedbus.node.lifetime import fedbus_command
 
-    res = run(cfg, "fedbus", out=out, timeout=3600)
+    if cfg.get("log", {}).get("level") == "info":  # run() quiets the processes to warnings
+        run_dir = out / name
+        res = watch(fedbus_command("run", str(write_toml(out / f"{name}.toml", cfg)), "--out",
+                                   str(run_dir), "--quiet", "--log-level", "info"),
+                    name, run_dir, timeout=3600, what="fedbus run")
+    else:
+        res = run(cfg, name, out=out, timeout=3600)
     records = sorted((r for r in res.records if "acc_mean" in r), key=lambda r: r["round"])
     per_round = [float(r["round_s"]) + float(r.get("eval_s", 0.0)) for r in records]
     walls = [float(r["wall_s"]) for r in records]
@@ -517,8 +607,297 @@ def report(args: argparse.Namespace, result: dict[str, Any]) -> list[str]:
     return lines
 
 
+# --------------------------------------------------------------------------- cohort
+class GpuSampler:
+    """The GPU's utilisation (%), sampled every `every` seconds in a thread while a run
+    goes: torch.cuda.utilization() (NVML), else nvidia-smi; `source` None = unavailable."""
+
+    def __init__(self, device: str, every: float = 0.2):
+        import threading
+
+        self.device, self.every = device, every
+        self.samples: list[float] = []
+        self.source = self._probe()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _index(self) -> int:
+        return int(self.device.split(":")[1]) if ":" in self.device else 0
+
+    def _read(self, source: str) -> float:
+        if source == "torch":
+            import torch
+
+            return float(torch.cuda.utilization(self._index()))
+        import subprocess
+
+        out = subprocess.run(["nvidia-smi", f"--id={self._index()}",
+                              "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=5, check=True).stdout
+        return float(out.strip().splitlines()[0])
+
+    def _probe(self) -> str | None:
+        for source in ("torch", "nvidia-smi"):
+            try:
+                self._read(source)
+                return source
+            except Exception:  # NVML or the tool missing: try the next, else unavailable
+                continue
+        return None
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every):
+            try:
+                self.samples.append(self._read(self.source))
+            except Exception:
+                pass
+
+    def __enter__(self) -> "GpuSampler":
+        if self.source is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def summary(self) -> dict[str, Any]:
+        if self.source is None:
+            return {"source": None}
+        busy = [v for v in self.samples if v > 0]
+        return {"source": self.source, "samples": len(self.samples),
+                "mean": statistics.mean(self.samples) if self.samples else None,
+                "max": max(self.samples, default=None),
+                "mean_busy": statistics.mean(busy) if busy else None}
+
+
+def proto_share(cfg: dict[str, dict[str, Any]], device: str, clients: int,
+                mode: str) -> dict[str, float]:
+    """Seconds of one FedProto local epoch of `clients` clients on `device`, through the
+    node's task path (run_tasks, train.cohort = `mode`): with every class's global prototype
+    (the regulariser on), with none (plain cross-entropy), and the eq. 3 prototype pass
+    after training alone; the share of prototype maths = (regulariser's extra + the pass) /
+    the epoch with the regulariser. Each timed after one warm-up epoch, best of 3."""
+    import numpy as np_
+    import torch
+
+    from fedbus.algorithms.core.protos import local_prototypes
+    from fedbus.node.client_host import ClientPool, run_tasks
+    from fedbus.node.config import build_config
+    from fedbus.node.engine import task_seed
+
+    raw = copy.deepcopy(cfg)
+    raw["algorithm"] = {"name": "fedproto"}
+    raw["train"] = {**raw["train"], "epochs": 1, "cohort": mode}
+    conf = build_config(raw)
+    dev = torch.device(device)
+    pool = ClientPool(conf, dev, clients=list(range(min(clients, conf.federation.clients))),
+                      memory_mb=1e9)
+    hosted = pool.node_data.clients
+    c, d = pool.data.num_classes, pool.get(hosted[0]).ctx.feature_dim
+    rng = np_.random.default_rng(0)
+    protos = rng.standard_normal((c, d)).astype(np_.float32) * 0.1
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    def epoch(has: bool) -> float:
+        bodies = [{"task": 1, "version": 0, "epochs": 1, "seed": task_seed(0, k, 0),
+                   "payload": {"protos": protos, "has": np_.full(c, has)}} for k in hosted]
+        handlers = [pool.get(k) for k in hosted]
+        sync()
+        t0 = time.perf_counter()
+        run_tasks(handlers, bodies, mode)
+        sync()
+        return time.perf_counter() - t0
+
+    def pass_only() -> float:
+        sync()
+        t0 = time.perf_counter()
+        for k in hosted:
+            ctx = pool.get(k).ctx
+            local_prototypes(ctx.model, ctx.train_x, ctx.train_y, c)
+        sync()
+        return time.perf_counter() - t0
+
+    import logging
+
+    logging.getLogger("fedbus.node").setLevel(logging.WARNING)  # no line per epoch here
+    epoch(True)  # warm-up: allocations, kernels
+    with_reg = min(epoch(True) for _ in range(3))
+    without = min(epoch(False) for _ in range(3))
+    protos_pass = min(pass_only() for _ in range(3))
+    share = (max(0.0, with_reg - without) + protos_pass) / with_reg
+    return {"clients": len(hosted), "epoch_s": with_reg, "epoch_ce_s": without,
+            "protos_pass_s": protos_pass, "share": share}
+
+
+def cohort_main(args: argparse.Namespace, cfg: dict[str, dict[str, Any]],
+                keep: dict[str, Any] | None = None) -> int:
+    """--cohort: fedbus in each mode asked for, side by side (module doc)."""
+    modes = ["off", "on"] if args.cohort == "both" else args.cohort.split(",")
+    from fedbus.bench.common import out_dir
+
+    out = out_dir(args.out, "train")
+    device = args.device or "cpu"
+    result: dict[str, Any] = {"config": cfg, "load_before": os.getloadavg(), "modes": {}}
+    if keep is not None:
+        result = keep
+        result.update({"config": cfg, "load_before": os.getloadavg(), "modes": {}})
+    for mode in modes:
+        run_cfg = copy.deepcopy(cfg)
+        run_cfg["log"]["level"] = "info"  # the nodes' "cohort trained" / "cohort off" lines
+        run_cfg["train"]["cohort"] = mode
+        print(f"fedbus bench train: fedbus run, train.cohort = {mode}, in {out} ...",
+              flush=True)
+        sampler = GpuSampler(device) if device.startswith("cuda") else None
+        if sampler is not None:
+            with sampler:
+                side = fedbus_side(run_cfg, out, name=f"cohort-{mode}")
+            side["gpu_util"] = sampler.summary()
+        else:
+            side = fedbus_side(run_cfg, out, name=f"cohort-{mode}")
+        side["cohorts"] = _cohort_log(Path(side["run_dir"]))
+        result["modes"][mode] = side
+    if device.startswith("cuda") or args.proto_share:
+        per_node = -(-int(cfg["federation"]["clients"]) // int(cfg["launch"]["nodes"]))
+        clients = args.proto_clients or per_node
+        result["proto_share"] = {}
+        for mode in modes:
+            print(f"fedbus bench train: prototype maths share ({clients} clients, "
+                  f"{device}, cohort {mode}) ...", flush=True)
+            result["proto_share"][mode] = proto_share(cfg, device, clients, mode)
+    result["load_after"] = os.getloadavg()
+    print("\n".join(cohort_report(args, result)))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def _cohort_log(run_dir: Path) -> dict[str, Any]:
+    """What the nodes logged about cohorts: trained cohorts (count, mean size) and the
+    reasons clients trained one by one."""
+    sizes, reasons = [], set()
+    for path in (run_dir / "logs").glob("node-*.jsonl"):
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("event") == "cohort trained":
+                sizes.append(int(rec.get("clients", 0)))
+            elif rec.get("event") == "cohort off":
+                reasons.add(str(rec.get("reason")))
+    return {"cohorts": len(sizes), "mean_size": statistics.mean(sizes) if sizes else 0.0,
+            "off_reasons": sorted(reasons)}
+
+
+def cohort_report(args: argparse.Namespace, result: dict[str, Any]) -> list[str]:
+    cfg = result["config"]
+    load = {k: " / ".join(f"{v:.2f}" for v in result[k]) for k in ("load_before", "load_after")}
+    tr = cfg["train"]
+    lines = [(f"fedbus bench train --cohort {args.cohort}: {args.setting}, {args.algorithm}, "
+              f"{cfg['federation']['clients']} clients in {cfg['launch']['nodes']} nodes, "
+              f"{cfg['model']['arch']}, {cfg['data']['dataset']} "
+              f"({cfg['data']['partition']}), batch {tr['batch_size']}, "
+              f"{tr['epochs']} local epoch(s), {args.rounds} rounds, device "
+              f"{args.device or 'cpu (auto)'}"),
+             f"  load average before {load['load_before']}, after {load['load_after']}",
+             (f"  {'train.cohort':<14}{'per round: median':>18}{'mean':>9}{'total':>9}"
+              f"{'acc':>9}{'proto_acc':>11}  cohorts (mean size)  GPU util mean/max")]
+    modes = result["modes"]
+    for mode, side in modes.items():
+        gpu = side.get("gpu_util")
+        util = ("-" if gpu is None else "unavailable" if gpu["source"] is None else
+                f"{gpu['mean'] or 0:.0f}% / {gpu['max'] or 0:.0f}% ({gpu['source']})")
+        co = side["cohorts"]
+        lines.append(f"  {mode:<14}{side['median_s']:>16.2f} s{side['mean_s']:>7.2f} s"
+                     f"{side['total_s']:>7.1f} s{_fmt_acc(side['acc'][-1]):>9}"
+                     f"{_fmt_acc(side['proto_acc'][-1]):>11}  {co['cohorts']:>7} "
+                     f"({co['mean_size']:.1f}){'':>6}{util}")
+        for reason in co["off_reasons"]:
+            lines.append(f"    one by one: {reason}")
+    if "off" in modes and len(modes) > 1:
+        off = modes["off"]
+        for mode, side in modes.items():
+            if mode != "off":
+                lines.append(f"  speed-up {mode} over off: "
+                             f"{off['median_s'] / side['median_s']:.2f}x (median per round), "
+                             f"{off['total_s'] / side['total_s']:.2f}x (total)")
+    lines.append("  per round (s; acc): " + " | ".join(f"{m:>20}" for m in modes))
+    for r in range(args.rounds):
+        cells = []
+        for side in modes.values():
+            cells.append(f"{side['per_round_s'][r]:>8.2f} s {_fmt_acc(side['acc'][r])}"
+                         if r < len(side["per_round_s"]) else f"{'-':>20}")
+        lines.append(f"  {'round ' + str(r):<19}" + " | ".join(cells))
+    for mode, ps in result.get("proto_share", {}).items():
+        lines.append(f"  prototype maths, cohort {mode}: {100 * ps['share']:.1f} % of a FedProto "
+                     f"local epoch ({ps['clients']} clients: epoch {ps['epoch_s']:.3f} s, "
+                     f"without the regulariser {ps['epoch_ce_s']:.3f} s, eq. 3 pass "
+                     f"{ps['protos_pass_s']:.3f} s)")
+    return lines
+
+
+def rows_main(args: argparse.Namespace) -> int:
+    """--rows: cohort_main once per (arch, clients), then one table of them all."""
+    rows = []
+    for item in args.rows.split(","):
+        arch, _, clients = item.strip().partition(":")
+        row = argparse.Namespace(**vars(args))
+        row.arch, row.clients, row.rows = arch, int(clients or args.clients or 20), None
+        row.json = None
+        row.out = str(Path(args.out) / f"{arch}-{row.clients}") if args.out else None
+        result: dict[str, Any] = {}
+        cohort_main(row, sections(row), keep=result)
+        rows.append((arch, row.clients, result))
+    modes = list(rows[0][2]["modes"]) if rows else []
+    lines = ["", f"fedbus bench train --rows: {args.setting}, {args.algorithm}, "
+             f"device {args.device or 'cpu'}, {args.nodes} node(s), {args.rounds} rounds "
+             "(median seconds per round; GPU utilisation mean over the run; prototype maths "
+             "share of a FedProto local epoch)",
+             f"  {'arch':<10}{'clients':>8}" + "".join(f"{m + ' s/round':>15}" for m in modes)
+             + "".join(f"{m + ' acc':>10}" for m in modes) + f"{'speed-up':>10}"
+             + "".join(f"{m + ' GPU%':>11}" for m in modes)
+             + "".join(f"{m + ' proto%':>13}" for m in modes)]
+    for arch, clients, result in rows:
+        sides = result["modes"]
+        cells = "".join(f"{sides[m]['median_s']:>15.2f}" for m in modes)
+        cells += "".join(f"{_fmt_acc(sides[m]['acc'][-1]):>10}" for m in modes)
+        speed = (sides["off"]["median_s"] / sides[modes[-1]]["median_s"]
+                 if "off" in sides and len(modes) > 1 else float("nan"))
+        cells += f"{speed:>9.2f}x"
+        for m in modes:
+            gpu = sides[m].get("gpu_util")
+            util = "-" if gpu is None else "n/a" if gpu["source"] is None else \
+                f"{gpu['mean'] or 0:.0f}"
+            cells += f"{util:>11}"
+        for m in modes:
+            ps = result.get("proto_share", {}).get(m)
+            share = "-" if ps is None else f"{100 * ps['share']:.1f}"
+            cells += f"{share:>13}"
+        lines.append(f"  {arch:<10}{clients:>8}{cells}")
+        for m in modes:
+            for reason in sides[m]["cohorts"]["off_reasons"]:
+                lines.append(f"    {arch} {m}: one by one: {reason}")
+    print("\n".join(lines))
+    if args.json:
+        Path(args.json).write_text(json.dumps([{"arch": a, "clients": c, **r}
+                                               for a, c, r in rows], indent=1))
+    return 0
+
+
 def main_args(args: argparse.Namespace) -> int:
+    if args.cohort and args.rows:
+        defaults(args)
+        return rows_main(args)
     cfg = sections(args)
+    if args.cohort and not args.export_htfllib:
+        if "," in args.cohort or args.cohort == "both" or args.reference == "none":
+            return cohort_main(args, cfg)
+        cfg["train"]["cohort"] = args.cohort  # one mode beside the reference loop
     if args.export_htfllib:
         folder = Path(args.export_htfllib)
         n = export_htfllib(cfg, folder)
