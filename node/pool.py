@@ -345,7 +345,8 @@ class ClientPool:
                             num_classes=self.data.num_classes, feature_dim=model.feature_dim,
                             params=dict(self.cfg.algorithm), train=dict(self.cfg.train),
                             seed=self.cfg.federation.seed,
-                            extra={"privacy": dict(self.cfg.privacy)},
+                            extra={"privacy": dict(self.cfg.privacy),
+                                   "node_balance": self.size_balance},
                             archs=self.archs, build_arch=self.build_arch)
         return self.algo.client(ctx)
 
@@ -366,6 +367,13 @@ class ClientPool:
             if victim is None or victim == next(reversed(self.resident)):
                 break
             self.evict(victim)
+
+    @property
+    def size_balance(self) -> float:
+        """Mean over max of the hosted clients' training-set sizes (1 = equal sizes): how much
+        of a cohort's vectorised steps do work (train.cohort = auto on the CPU)."""
+        sizes = [b - a for a, b, _, _ in self.node_data.spans.values()]
+        return sum(sizes) / len(sizes) / max(sizes) if sizes and max(sizes) else 1.0
 
     def release(self) -> None:
         """Unpin every client (a cohort is done) and evict what no longer fits."""
