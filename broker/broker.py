@@ -65,8 +65,8 @@ __all__ = ["MAX_REGISTER_BYTES", "Broker", "Limits", "Node"]
 MAX_REGISTER_BYTES = 2 * 1024 * 1024
 _UNLIMITED = 1 << 62
 
-# kinds a node may send to the broker itself (dst "broker")
 ENDED_RUNS = 64  # runs whose shutdown a late-registering node is sent (Broker._ended)
+# kinds a node may send to the broker itself (dst "broker")
 _CONTROL_KINDS = frozenset({"register", "heartbeat", "leave", "shutdown"})
 # kinds a node never sends to another node: only the broker sends ready/join/leave notices,
 # and register/heartbeat/leave requests go to "broker"
