@@ -203,11 +203,11 @@ def sections(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     if getattr(args, "setting", None) == "michieli-synthetic":  # recipes/michieli.toml
         cfg["data"] = {"dataset": "synthetic", "synthetic_alpha": 1.0, "synthetic_beta": 1.0,
                        "partition": "natural", "test_fraction": 0.2}
-        if getattr(args, "partition", None):
-            cfg["data"]["partition"] = args.partition
         if args.arch == "mlp:128":
             cfg["model"]["feature_dim"] = 256
         cfg["train"]["momentum"] = 0.0
+    if getattr(args, "partition", None):
+        cfg["data"]["partition"] = args.partition
     if getattr(args, "device", None):
         cfg["launch"]["devices"] = [args.device]
     return cfg
