@@ -139,8 +139,7 @@ class ClientNode:
                     msg = self._recv(max(0.0, min(1.0, self.send_due())))
                 if msg is None:
                     continue
-                if msg.kind == "task" and self.pool is not None \
-                        and self.cfg.train.get("cohort", "auto") != "off":
+                if msg.kind == "task" and self._cohort_may(msg):
                     self._safely_tasks(self._gather(msg))
                     continue
                 if msg.kind == "shutdown":
@@ -162,6 +161,20 @@ class ClientNode:
         if msg is not None and self.msglog is not None:
             self.msglog.write("in", time.time(), msg.frames)
         return msg
+
+    def _cohort_may(self, msg: Message) -> bool:
+        """Whether a task is worth gathering others with: train.cohort is not off and its
+        client could join a cohort (cohort_reason). Otherwise it is trained and answered at
+        once, as before cohorts (a node of unsupported clients sends each update as soon as
+        it is trained)."""
+        mode = self.cfg.train.get("cohort", "auto") if self.cfg is not None else "off"
+        if self.pool is None or mode == "off":
+            return False
+        try:
+            handler = self.pool.get(client_index(msg.dst))
+        except (KeyError, IndexError):
+            return False  # not hosted here: on_task answers with the error
+        return cohort_reason(handler, mode) is None
 
     def _gather(self, first: Message) -> list[Message]:
         """train.cohort: the task `first` and the tasks that follow it within COHORT_GATHER_S
