@@ -43,6 +43,8 @@ from fedbus.node.server import build_engine, dispatch
 LEGACY_VALUES: dict[tuple[str, str, str | None], Any] = {
     ("train", "optimizer_state", None): "persist",  # issue 25: momentum carried over
     ("algorithm", "proto_model", "fedavg-proto"): "local",  # issue 25: local models' means
+    # issue 28: every client trained one by one (a cohort equals it to float32 rounding only)
+    ("train", "cohort", None): "off",
 }
 
 

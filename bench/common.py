@@ -165,6 +165,9 @@ class Outcome:
 
 # The sections whose every key (defaults filled in) decides what a run computes.
 COMPUTING = ("algorithm", "data", "model", "train", "system")
+# Keys of those that choose how a run computes, its results equal within float32 rounding
+# (tests/test_cohort.py): a run made before or under another value still stands.
+HOW_NOT_WHAT = {("train", "cohort")}
 
 
 def stale(run_dir: Path, sections: dict[str, dict[str, Any]]) -> str:
@@ -186,7 +189,8 @@ def stale(run_dir: Path, sections: dict[str, dict[str, Any]]) -> str:
         old, new = saved.get(section, {}), today.get(section, {})
         # Any other key only one side has is an option added (or dropped) since: an added
         # one defaults to the old behaviour, so only a value both sides have can differ.
-        changed = sorted(k for k in set(old) & set(new) if old[k] != new[k])
+        changed = sorted(k for k in set(old) & set(new)
+                         if old[k] != new[k] and (section, k) not in HOW_NOT_WHAT)
         if changed:
             return f"[{section}] " + ", ".join(
                 f"{k}: {old[k]!r} then, {new[k]!r} now" for k in changed)

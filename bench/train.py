@@ -99,6 +99,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -842,8 +843,9 @@ def cohort_report(args: argparse.Namespace, result: dict[str, Any]) -> list[str]
 
 
 def rows_main(args: argparse.Namespace) -> int:
-    """--rows: cohort_main once per (arch, clients), then one table of them all."""
-    rows = []
+    """--rows: cohort_main once per (arch, clients), then one table of them all. A row whose
+    run fails is named in the table and makes the exit status 1; the other rows still run."""
+    rows, failed = [], []
     for item in args.rows.split(","):
         arch, _, clients = item.strip().partition(":")
         row = argparse.Namespace(**vars(args))
@@ -851,7 +853,12 @@ def rows_main(args: argparse.Namespace) -> int:
         row.json = None
         row.out = str(Path(args.out) / f"{arch}-{row.clients}") if args.out else None
         result: dict[str, Any] = {}
-        cohort_main(row, sections(row), keep=result)
+        try:
+            cohort_main(row, sections(row), keep=result)
+        except RuntimeError as exc:  # a run that failed (its config refused, say): the rest go on
+            print(f"fedbus bench train: row {arch}:{row.clients} failed: {exc}", file=sys.stderr)
+            failed.append((arch, row.clients, str(exc)))
+            continue
         rows.append((arch, row.clients, result))
     modes = list(rows[0][2]["modes"]) if rows else []
     lines = ["", f"fedbus bench train --rows: {args.setting}, {args.algorithm}, "
@@ -882,11 +889,14 @@ def rows_main(args: argparse.Namespace) -> int:
         for m in modes:
             for reason in sides[m]["cohorts"]["off_reasons"]:
                 lines.append(f"    {arch} {m}: one by one: {reason}")
+    for arch, clients, why in failed:
+        lines.append(f"  {arch:<10}{clients:>8}  failed: {why}")
     print("\n".join(lines))
     if args.json:
-        Path(args.json).write_text(json.dumps([{"arch": a, "clients": c, **r}
-                                               for a, c, r in rows], indent=1))
-    return 0
+        Path(args.json).write_text(json.dumps(
+            [{"arch": a, "clients": c, **r} for a, c, r in rows]
+            + [{"arch": a, "clients": c, "failed": why} for a, c, why in failed], indent=1))
+    return 1 if failed else 0
 
 
 def main_args(args: argparse.Namespace) -> int:

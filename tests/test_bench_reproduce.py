@@ -302,6 +302,11 @@ def test_a_run_whose_defaults_changed_is_stale_not_reused(tmp_path):
     del saved["algorithm"]["infer_classes"]
     (run / "config.json").write_text(json.dumps(saved))
     assert stale(run, cfg) == ""
+    # train.cohort chooses how, not what (equal within float32 rounding): a run made one by
+    # one (before the key, read as "off") still stands for today's "auto"
+    del saved["train"]["cohort"]
+    (run / "config.json").write_text(json.dumps(saved))
+    assert stale(run, cfg) == ""
     # an option added since whose default changed the behaviour: the old run had the old
     # one (train.optimizer_state: momentum carried over), so it is stale
     del saved["train"]["optimizer_state"]

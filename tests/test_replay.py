@@ -521,6 +521,7 @@ def test_legacy_values_fill_only_keys_a_run_predates():
     filled = with_legacy_values(old)
     assert filled["train"]["optimizer_state"] == "persist"  # the behaviour it had
     assert filled["algorithm"]["proto_model"] == "local"
+    assert filled["train"]["cohort"] == "off"  # one by one, as every client trained then
     assert "optimizer_state" not in old["train"]  # the input is not changed
     new = {"train": {"optimizer_state": "fresh"}, "algorithm": {"name": "fedproto"}}
     assert with_legacy_values(new)["train"]["optimizer_state"] == "fresh"
