@@ -11,6 +11,7 @@ Everything started through these fixtures is killed at the end of the test.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -45,6 +46,10 @@ def pytest_report_header(config):
 
 # generous: the machine may be loaded (2 cores shared by several test runs)
 START_TIMEOUT = 60.0
+
+
+def _event_is(event: str, line: dict) -> bool:
+    return line.get("event") == event
 
 
 def free_port() -> int:
@@ -240,8 +245,7 @@ class PyProc:
     def expect(self, predicate: Callable[[dict], bool] | str, timeout: float = 30.0) -> dict:
         """The next line for which predicate(line) is true (or whose "event" equals it)."""
         if isinstance(predicate, str):
-            want = predicate
-            predicate = lambda r: r.get("event") == want
+            predicate = functools.partial(_event_is, predicate)
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
