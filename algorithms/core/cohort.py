@@ -1,17 +1,18 @@
 """Cohort training: several clients of one architecture trained as one vectorised cohort.
 
 A node that holds, in one round, tasks for K clients of one architecture and algorithm can
-train them together: their trainable parameters are stacked along a leading client axis and
-one `torch.func.vmap(grad_and_value(loss))` call computes every client's gradient of its own
-loss on its own minibatch per step, followed by one stacked SGD update. For a small model
+train them together: their trainable parameters are stacked along a leading client axis, one
+`torch.func.vmap` forward computes every client's loss on its own minibatch per step, torch's
+autograd takes the gradient of their sum (each client's parameters reach only its own loss,
+so each gets its own gradient), and one stacked SGD update follows. For a small model
 most of a sequential step is per-call overhead, not arithmetic, so K clients cost little
 more than one (docs/PERFORMANCE.md: the synthetic MLP setting).
 
 What stays each client's own, exactly as `LocalClient.run_local` would do it alone:
 - its minibatches: each client's `LocalRun.batches()` generator is advanced once per cohort
   step, so its seed, sample order, partial work (`epochs_to_run`), time budget and work
-  record (`run.work`) are the sequential run's own; a generator that ends leaves its client
-  masked for the rest of the cohort;
+  record (`run.work`) are the sequential run's own; a generator that ends takes its client
+  out of the stack for the rest of the cohort;
 - its optimizer: plain SGD (torch.optim.SGD semantics: weight decay added to the gradient,
   momentum buffer b <- m b + g, p <- p - lr b; no dampening, no Nesterov) with the client's
   own lr (after train.lr_decay), momentum and weight decay, read from its optimizer after
@@ -76,8 +77,8 @@ class FunctionalLoss:
 
     fn(h, logits, y, w, params, consts) -> scalar loss of one client's minibatch:
       h [B, D] its features, logits [B, C] its head's output, y [B] int64 labels, w [B]
-      float32 sample weights (1 = a real sample, 0 = padding; all 0 when the client is
-      masked at this step: the loss must then be finite), params {name: tensor} its
+      float32 sample weights (1 = a real sample, 0 = padding; the loss must stay finite
+      even when they are all 0), params {name: tensor} its
       trainable parameters (as model.named_parameters() names them), consts its `consts`.
     consts: the client's own tensors ({name: tensor or {name: tensor}}); the cohort stacks
       them along the client axis, so they must have equal shapes across the cohort.
