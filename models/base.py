@@ -47,6 +47,15 @@ class ProtoNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x))
 
+    def affine_chain(self) -> tuple[tuple[tuple[str, bool], ...], int] | None:
+        """The network as a plain chain of affine layers, where it is one: ((the layer's
+        parameter prefix, whether a ReLU follows it), ...) from the flattened input to the
+        logits, and the index of the layer whose output is ``features(x)``. None (the
+        default): not such a chain. Cohort training runs a declared chain as batched matrix
+        products with its backward written out (fedbus.algorithms.core.cohort); a subclass
+        that changes ``features`` or ``head`` must declare its own chain (or None)."""
+        return None
+
     def extra_repr(self) -> str:
         return (f"arch={self.arch!r}, in_shape={tuple(self.in_shape)}, "
                 f"feature_dim={self.feature_dim}, num_classes={self.num_classes}")

@@ -119,6 +119,10 @@ class FedCLMLP(ProtoNet):
     def head(self, h):
         return self.classifier(h)
 
+    def affine_chain(self):
+        return (("encoder.0", True), ("encoder.2", True), ("classifier.0", True),
+                ("classifier.2", False)), 1
+
 
 class MLP(ProtoNet):
     """A plain MLP for tabular, FedProx-synthetic and MNIST-1D data (also takes
@@ -150,3 +154,6 @@ class MLP(ProtoNet):
 
     def head(self, h):
         return self.fc(h)
+
+    def affine_chain(self):
+        return (("encoder.0", True), ("encoder.2", True), ("fc", False)), 1

@@ -14,6 +14,7 @@ cohort does)."""
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 
 import numpy as np
@@ -131,6 +132,7 @@ def assert_close(a, b) -> None:
             assert x == y, key
 
 
+@pytest.mark.parametrize("path", ["chain", "vmap"])
 @pytest.mark.parametrize("algorithm,params,state,tail", [
     ("fedavg", {}, "fresh", 2),
     ("fedavg", {}, "fresh", 6),
@@ -140,13 +142,16 @@ def assert_close(a, b) -> None:
     ("fedproto", {"proto_loss": "eq8_mean"}, "fresh", 2),
     ("local", {}, "persist", 3),
 ])
-def test_cohort_equals_one_by_one(algorithm, params, state, tail, monkeypatch):
+def test_cohort_equals_one_by_one(algorithm, params, state, tail, path, monkeypatch):
     # unequal client sizes, two clients on partial work (one of them below one epoch),
     # momentum, weight decay, lr decay; every update body (payload, work, loss) and every
     # client's state after 3 rounds (weights, momentum buffers, last loss). `tail`: below
     # this many live clients the rest finish one by one (2: the stack shrinks client by
-    # client; 6 = every client: one by one as soon as the first run ends)
+    # client; 6 = every client: one by one as soon as the first run ends). `path`: the
+    # mlp's affine chain written out (the default for it), or the generic vmap forward
     monkeypatch.setattr(cohort, "TAIL_CPU", tail)
+    if path == "vmap":
+        monkeypatch.setattr(cohort, "affine_chain", lambda model, names: None)
     off = _cfg(algorithm, algorithm=params, train={"optimizer_state": state, "cohort": "off"})
     on = _cfg(algorithm, algorithm=params, train={"optimizer_state": state, "cohort": "on"})
     partial = {1: 0.4, 4: 1.5}
@@ -157,6 +162,102 @@ def test_cohort_equals_one_by_one(algorithm, params, state, tail, monkeypatch):
     assert len({u["work"]["steps"] for u in seq[0]}) > 3  # the clients' runs differ in length
     assert_close([u["payload"] for u in seq[0]], [u["payload"] for u in coh[0]])
     assert_close(seq[1], coh[1])
+
+
+@pytest.mark.parametrize("arch", ["mlp", "mlp:32", "mlp-fedcl"])
+def test_affine_chain_gradients_equal_autograd_through_the_network(arch):
+    # the declared chain (ProtoNet.affine_chain) must be the network: the written-out
+    # forward and backward give every client the gradient autograd takes through its own
+    # features() and head(), for a loss that reads the features (FedProto's mse regulariser)
+    # and one that reads the parameters (FedProx), padding rows included
+    from fedbus.models.registry import build_model
+
+    torch.manual_seed(0)
+    model = build_model(arch, in_shape=(1, 8, 8), num_classes=10)
+    names = [n for n, _ in model.named_parameters()]
+    layers, feat = cohort.affine_chain(model, names)
+    k, b = 3, 7
+    params = {n: torch.stack([p.detach() + 0.05 * torch.randn_like(p) for _ in range(k)])
+              for n, p in model.named_parameters()}
+    x, y = torch.randn(k, b, 1, 8, 8), torch.randint(0, 10, (k, b))
+    w = torch.ones(k, b)
+    w[1, 5:] = 0.0  # client 1's last two rows are padding
+    g = torch.randn(k, 10, model.feature_dim)
+    consts = {"g": g, "has": torch.rand(k, 10) > 0.3, "anchor": {n: p.detach() for n, p in
+                                                               model.named_parameters()}}
+
+    def loss(h, logits, y_, w_, p_, c_):
+        anchor = {n: c_["anchor"][n] for n in names}
+        return cohort.proto_loss(h, logits, y_, w_, p_, c_, lam=0.7, form="mse") + \
+            cohort.prox_loss(h, logits, y_, w_, p_, {"anchor": anchor}, mu=0.3)
+
+    consts["anchor"] = {n: torch.stack([v] * k) for n, v in consts["anchor"].items()}
+    grads, losses = cohort._chain_grads(layers, feat, torch.func.vmap(loss), names, params,
+                                        consts, x, y, w)
+    for j in range(k):
+        one = copy.deepcopy(model)
+        with torch.no_grad():
+            for n, p in one.named_parameters():
+                p.copy_(params[n][j])
+        h = one.features(x[j])
+        value = loss(h, one.head(h), y[j], w[j], dict(one.named_parameters()),
+                     {"g": g[j], "has": consts["has"][j],
+                      "anchor": {n: consts["anchor"][n][j] for n in names}})
+        value.backward()
+        assert losses[j].item() == pytest.approx(value.item(), rel=1e-5)
+        for n, p in one.named_parameters():
+            torch.testing.assert_close(grads[n][j], p.grad, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fn", [
+    cohort.ce_loss, functools.partial(cohort.prox_loss, mu=0.3),
+    functools.partial(cohort.proto_loss, lam=0.5, form="mse"),
+    functools.partial(cohort.proto_loss, lam=0.5, form="eq8"),
+    functools.partial(cohort.proto_loss, lam=0.5, form="eq8_mean")])
+def test_batched_losses_equal_the_vmapped_per_client_losses(fn):
+    # the chain's step computes a built-in loss in its batched twin: the same values and
+    # gradients (features, logits, parameters) as vmap of the per-client form, with
+    # padding rows, classes without a global prototype and an all-padding client
+    torch.manual_seed(1)
+    k, b, d, c = 4, 6, 5, 3
+    h, logits = torch.randn(k, b, d), torch.randn(k, b, c)
+    y, w = torch.randint(0, c, (k, b)), torch.ones(k, b)
+    w[1, 4:] = 0.0
+    w[3] = 0.0
+    params = {"fc.weight": torch.randn(k, c, d), "fc.bias": torch.randn(k, c)}
+    consts = {"g": torch.randn(k, c, d), "has": torch.rand(k, c) > 0.4,
+              "anchor": {n: torch.randn_like(v) for n, v in params.items()}}
+    twin = cohort.batched_form(fn)
+    assert twin is not None
+
+    def value_and_grads(loss_fn):
+        leaves = [t.clone().requires_grad_() for t in (h, logits, *params.values())]
+        out = loss_fn(leaves[0], leaves[1], y, w, dict(zip(params, leaves[2:])), consts)
+        grads = torch.autograd.grad(out.sum(), leaves, allow_unused=True)
+        return out.detach(), grads
+
+    want, want_grads = value_and_grads(torch.func.vmap(fn))
+    got, got_grads = value_and_grads(twin)
+    torch.testing.assert_close(got, want)
+    for a, e in zip(got_grads, want_grads):
+        assert (a is None) == (e is None)
+        if a is not None:
+            torch.testing.assert_close(a, e)
+    assert cohort.batched_form(lambda *a: 0) is None  # any other loss: vmapped
+
+
+def test_a_network_that_changes_its_features_is_no_chain():
+    from fedbus.models.small import MLP
+
+    class Scaled(MLP):
+        def features(self, x):
+            return 2 * super().features(x)
+
+    plain, scaled = MLP((60,), 10), Scaled((60,), 10)
+    names = [n for n, _ in plain.named_parameters()]
+    assert cohort.affine_chain(plain, names) is not None
+    assert cohort.affine_chain(scaled, names) is None
+    assert cohort.affine_chain(plain, names[:-1]) is None  # a frozen layer: the vmap path
 
 
 def test_evicted_and_restored_clients_in_a_cohort(monkeypatch):

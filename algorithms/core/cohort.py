@@ -58,6 +58,7 @@ the algorithm owns its mathematics.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -141,6 +142,65 @@ def proto_loss(h, logits, y, w, params, consts, *, lam: float, form: str):
     return ce + lam * reg
 
 
+# The built-in losses over a leading client axis (h [K, B, D], logits [K, B, C], y and w
+# [K, B], params and consts stacked) -> [K]: what vmap of the per-client form computes,
+# without vmap's per-op batching (the affine chain's step uses them where the loss is one
+# of these; any other loss is vmapped).
+def weighted_ce_batched(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    # rows flattened: the per-client form's [B, C] layout, so the same kernel and rounding
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
+                         reduction="none").reshape(y.shape)
+    return (ce * w).sum(1) / w.sum(1).clamp(min=1.0)
+
+
+def ce_loss_batched(h, logits, y, w, params, consts):
+    return weighted_ce_batched(logits, y, w)
+
+
+def prox_loss_batched(h, logits, y, w, params, consts, *, mu: float):
+    anchor = consts["anchor"]
+    prox = sum(((params[n] - anchor[n]) ** 2).flatten(1).sum(1) for n in anchor)
+    return weighted_ce_batched(logits, y, w) + 0.5 * mu * prox
+
+
+def proto_loss_batched(h, logits, y, w, params, consts, *, lam: float, form: str):
+    g, has = consts["g"].to(h.dtype), consts["has"]
+    ce = weighted_ce_batched(logits, y, w)
+    if form == "mse":
+        target = torch.where(has.gather(1, y).unsqueeze(2),
+                             g.gather(1, y.unsqueeze(2).expand(-1, -1, g.shape[2])),
+                             h.detach())
+        reg = ((h - target) ** 2 * w.unsqueeze(2)).sum((1, 2)) / (
+            w.sum(1).clamp(min=1.0) * h.shape[2])
+        return ce + lam * reg
+    classes = torch.arange(g.shape[1], device=y.device)
+    onehot = (y.unsqueeze(2) == classes).to(h.dtype) * w.unsqueeze(2)  # [K, B, C]
+    sums = onehot.transpose(1, 2) @ h
+    n = onehot.sum(1)
+    means = sums / n.clamp(min=1).unsqueeze(2)
+    sel = (n > 0) & has
+    diff = torch.where(sel.unsqueeze(2), means - g, torch.ones_like(means))
+    dist = torch.where(sel, torch.linalg.vector_norm(diff, dim=2), torch.zeros_like(n))
+    reg = dist.sum(1)
+    if form == "eq8_mean":
+        reg = reg / sel.sum(1).clamp(min=1)
+    return ce + lam * reg
+
+
+_BATCHED = {ce_loss: ce_loss_batched, prox_loss: prox_loss_batched,
+            proto_loss: proto_loss_batched}
+
+
+def batched_form(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor] | None:
+    """The batched twin of a built-in loss (a functools.partial of one keeps its keywords),
+    or None."""
+    base, keywords = fn, {}
+    if isinstance(fn, functools.partial) and not fn.args:
+        base, keywords = fn.func, fn.keywords
+    twin = _BATCHED.get(base)
+    return functools.partial(twin, **keywords) if twin is not None else None
+
+
 # --------------------------------------------------------------------------- support
 _LOOP_METHODS = ("train", "run_local", "batch_loss", "begin_local", "clip_gradients")
 
@@ -221,6 +281,77 @@ class _Split(torch.nn.Module):
     def forward(self, x):
         h = self.model.features(x)
         return h, self.model.head(h)
+
+
+def affine_chain(model: torch.nn.Module, names: Sequence[str]
+                 ) -> tuple[tuple[tuple[str, bool], ...], int] | None:
+    """The model's declared chain of affine layers (ProtoNet.affine_chain) where the cohort
+    can run it written out: declared by the class that defines features() and head() (a
+    subclass that changes either without declaring again is no chain), and every parameter
+    one of its layers' weight or bias, all trainable (`names`). Else None: the vmap path."""
+    declare = getattr(model, "affine_chain", None)
+    chain = declare() if declare is not None else None
+    if chain is None:
+        return None
+    mro = type(model).__mro__
+    owner = next(c for c in mro if "affine_chain" in c.__dict__)
+    for method in ("features", "head", "forward"):
+        if mro.index(next(c for c in mro if method in c.__dict__)) < mro.index(owner):
+            return None
+    layers, _ = chain
+    expected = [f"{prefix}.{kind}" for prefix, _ in layers for kind in ("weight", "bias")]
+    if sorted(expected) != sorted(names) or len(names) != len(list(model.parameters())):
+        return None
+    return chain
+
+
+@torch.no_grad()
+def _chain_grads(layers: Sequence[tuple[str, bool]], feat: int, batched_fn: Callable,
+                 names: Sequence[str], params: Mapping[str, torch.Tensor], consts: Any,
+                 x: torch.Tensor, y: torch.Tensor, w: torch.Tensor
+                 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Every client's gradient for an affine chain: the forward as batched matrix products
+    (x [K, B, ...] flattened; weights [K, out, in]), autograd only through the functional
+    loss (vmapped over the clients, from the features and logits as leaves, and the
+    parameters where the loss reads them: FedProx), the chain's backward written out:
+    d_in = (d_out * relu') @ W, grad W = (d_out * relu')^T a_in, grad b = sum over rows.
+    Padding rows (w = 0) get a zero loss gradient and so add nothing."""
+    k, b = x.shape[0], x.shape[1]
+    a = x.reshape(k, b, -1)
+    inputs, outs = [], []
+    for prefix, relu in layers:
+        inputs.append(a)
+        a = torch.baddbmm(params[prefix + ".bias"].unsqueeze(1), a,
+                          params[prefix + ".weight"].transpose(1, 2))
+        if relu:
+            a = a.relu_()
+        outs.append(a)
+    # leaves of their own: the written-out backward below stays outside autograd
+    h = outs[feat].detach().requires_grad_()
+    logits = outs[-1].detach().requires_grad_() if len(outs) - 1 != feat else h
+    leaves = {n: params[n].detach().requires_grad_() for n in names}
+    with torch.enable_grad():
+        loss = batched_fn(h, logits, y, w, leaves, consts)
+        got = torch.autograd.grad(loss.sum(), [h, logits, *leaves.values()],
+                                  allow_unused=True)
+    d_h, d = got[0], got[1]
+    grads: dict[str, torch.Tensor] = {}
+    for i in range(len(layers) - 1, -1, -1):
+        prefix, relu = layers[i]
+        if d is None:
+            d = torch.zeros_like(outs[i])
+        if i == feat and d_h is not None and feat != len(layers) - 1:
+            d = d + d_h
+        if relu:
+            d = d * (outs[i] > 0)
+        grads[prefix + ".weight"] = torch.bmm(d.transpose(1, 2), inputs[i])
+        grads[prefix + ".bias"] = d.sum(1)
+        if i:
+            d = torch.bmm(d, params[prefix + ".weight"])
+    for n, g in zip(names, got[2:]):
+        if g is not None:  # the loss's own term in the parameters (FedProx's anchor)
+            grads[n] = grads[n] + g
+    return grads, loss.detach()
 
 
 def _stack(trees: Sequence[Any]) -> Any:
@@ -331,6 +462,13 @@ def train_cohort(members: Sequence[CohortMember], tail: int | None = None) -> li
         loss = batched_loss(leaves, consts, x, y, w)
         grads = torch.autograd.grad(loss.sum(), [leaves[n] for n in names])
         return dict(zip(names, grads)), loss.detach()
+    chain = affine_chain(model0, names)
+    if chain is not None:
+        layers, feat = chain
+        loss_of = batched_form(fn) or vmap(fn)
+
+        def step_fn(params, consts, x, y, w):  # noqa: F811 - the chain's own step
+            return _chain_grads(layers, feat, loss_of, names, params, consts, x, y, w)
     uniform = _uniform(lrs) and _uniform(moms) and _uniform(wds)
     lr, mom, wd = lrs[0], moms[0], wds[0]
 
@@ -390,16 +528,19 @@ def train_cohort(members: Sequence[CohortMember], tail: int | None = None) -> li
                 Y[j, :sizes[j]] = b[1]
                 W[j, :sizes[j]] = 1.0
         grads, loss = step_fn(P, C, X, Y, W)
-        for n in names:
-            p, g = P[n], grads[n]
-            if uniform:  # torch.optim.SGD's arithmetic (single-tensor path), op for op
-                if wd != 0:
-                    g = g.add(p, alpha=wd)
-                if use_mom and mom != 0:
-                    bufs[n] = bufs[n].mul(mom).add(g)
-                    g = bufs[n]
-                P[n] = p.add(g, alpha=-lr)
-            else:  # clients of different rates (tasks of different rounds: lr_decay)
+        if uniform:  # torch.optim.SGD's arithmetic (its foreach path), op for op, in place
+            ps, gs = [P[n] for n in names], [grads[n] for n in names]
+            if wd != 0:
+                torch._foreach_add_(gs, ps, alpha=wd)
+            if use_mom and mom != 0:
+                bs_ = [bufs[n] for n in names]
+                torch._foreach_mul_(bs_, mom)
+                torch._foreach_add_(bs_, gs)
+                gs = bs_
+            torch._foreach_add_(ps, gs, alpha=-lr)
+        else:  # clients of different rates (tasks of different rounds: lr_decay)
+            for n in names:
+                p, g = P[n], grads[n]
                 g = g + hyper([wds[k] for k in idx], p) * p
                 if use_mom:
                     bufs[n] = bufs[n] * hyper([moms[k] for k in idx], p) + g
