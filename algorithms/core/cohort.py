@@ -9,10 +9,11 @@ most of a sequential step is per-call overhead, not arithmetic, so K clients cos
 more than one (docs/PERFORMANCE.md: the synthetic MLP setting).
 
 What stays each client's own, exactly as `LocalClient.run_local` would do it alone:
-- its minibatches: each client's `LocalRun.batches()` generator is advanced once per cohort
-  step, so its seed, sample order, partial work (`epochs_to_run`), time budget and work
-  record (`run.work`) are the sequential run's own; a generator that ends takes its client
-  out of the stack for the rest of the cohort;
+- its minibatches: each client's `LocalRun.batch_indices()` generator is advanced once per
+  cohort step (the rows of every client's batch gathered at once from their training sets),
+  so its seed, sample order, partial work (`epochs_to_run`), time budget and work record
+  (`run.work`) are the sequential run's own; a generator that ends takes its client out of
+  the stack for the rest of the cohort;
 - its optimizer: plain SGD (torch.optim.SGD semantics: weight decay added to the gradient,
   momentum buffer b <- m b + g, p <- p - lr b; no dampening, no Nesterov) with the client's
   own lr (after train.lr_decay), momentum and weight decay, read from its optimizer after
@@ -410,10 +411,19 @@ def train_cohort(members: Sequence[CohortMember], tail: int | None = None) -> li
     own = [[dict(m.model.named_parameters())[n] for n in names] for m in members]
     for m in members:
         m.model.train()
-    gens: list[Any] = [iter(m.run.batches()) for m in members]
+    gens: list[Any] = [iter(m.run.batch_indices()) for m in members]
     bs = int(members[0].run.ctx.train["batch_size"])
+    # every member's training set in one tensor, and a row of zeros (the padding) last: a
+    # step gathers the cohort's rows at once
+    xs, ys = [m.run.ctx.train_x for m in members], [m.run.ctx.train_y for m in members]
+    data_x = torch.cat([*xs, torch.zeros_like(xs[0][:1])])
+    data_y = torch.cat([*ys, torch.zeros_like(ys[0][:1])])
+    pad = len(data_y) - 1
+    starts = [0]
+    for y_ in ys[:-1]:
+        starts.append(starts[-1] + len(y_))
 
-    def pull(idx: list[int]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    def pull(idx: list[int]) -> list[torch.Tensor | None]:
         out = []
         for k in idx:
             item = None
@@ -481,7 +491,7 @@ def train_cohort(members: Sequence[CohortMember], tail: int | None = None) -> li
     losses: list[tuple[torch.Tensor, list[int]]] = []
     tail_losses: dict[int, list[float]] = {}
     tail = _tail_default(dev) if tail is None else int(tail)
-    ones = x_shape = None
+    ones = shift = None
     while True:
         live = [j for j, b in enumerate(batch) if b is not None]
         if 0 < len(live) < tail:  # the last few: one by one
@@ -509,24 +519,24 @@ def train_cohort(members: Sequence[CohortMember], tail: int | None = None) -> li
             batch = [batch[j] for j in live]
             ones = None
         k_now = len(idx)
-        sizes = [len(b[1]) for b in batch]
-        if x_shape is None:
-            x_shape, x_dtype, y_dtype = tuple(batch[0][0].shape[1:]), batch[0][0].dtype, \
-                batch[0][1].dtype
+        sizes = [len(b) for b in batch]
         if all(size == bs for size in sizes):
-            X = torch.stack([b[0] for b in batch])
-            Y = torch.stack([b[1] for b in batch])
             if ones is None:
                 ones = torch.ones(k_now, bs, device=dev)
+                shift = torch.tensor([starts[k] for k in idx],
+                                     device=dev).repeat_interleave(bs)
+            rows = torch.cat(batch) + shift
+            X = data_x.index_select(0, rows).view(k_now, bs, *data_x.shape[1:])
+            Y = data_y.index_select(0, rows).view(k_now, bs)
             W = ones
-        else:  # some client's last batch of an epoch: padded, its padding weighed 0
-            X = torch.zeros((k_now, bs, *x_shape), dtype=x_dtype, device=dev)
-            Y = torch.zeros((k_now, bs), dtype=y_dtype, device=dev)
+        else:  # some client's last batch of an epoch: padded with zeros, weighed 0
+            rows = torch.full((k_now, bs), pad, dtype=torch.long, device=dev)
             W = torch.zeros((k_now, bs), device=dev)
             for j, b in enumerate(batch):
-                X[j, :sizes[j]] = b[0]
-                Y[j, :sizes[j]] = b[1]
+                rows[j, :sizes[j]] = b + starts[idx[j]]
                 W[j, :sizes[j]] = 1.0
+            X = data_x.index_select(0, rows.view(-1)).view(k_now, bs, *data_x.shape[1:])
+            Y = data_y.index_select(0, rows.view(-1)).view(k_now, bs)
         grads, loss = step_fn(P, C, X, Y, W)
         if uniform:  # torch.optim.SGD's arithmetic (its foreach path), op for op, in place
             ps, gs = [P[n] for n in names], [grads[n] for n in names]
@@ -586,15 +596,17 @@ def _install(member: CohortMember, params: list[torch.Tensor], names: list[str],
 
 
 def _finish_alone(member: CohortMember, params: list[torch.Tensor], names: list[str],
-                  first: tuple[torch.Tensor, torch.Tensor], gen: Any) -> list[float]:
-    """A client's remaining steps one by one (its pending batch `first`, then the rest of its
-    run): its functional loss over its own network, its own optimizer's step; the losses."""
+                  first: torch.Tensor, gen: Any) -> list[float]:
+    """A client's remaining steps one by one (its pending batch's rows `first`, then the rest
+    of its run): its functional loss over its own network, its own optimizer's step; the
+    losses."""
     model, opt, loss_fn = member.model, member.optimizer, member.loss
     named = dict(zip(names, params))
+    data_x, data_y = member.run.ctx.train_x, member.run.ctx.train_y
     out = []
     item: Any = first
     while item is not None:
-        x, y = item
+        x, y = data_x.index_select(0, item), data_y.index_select(0, item)
         opt.zero_grad(set_to_none=True)
         h = model.features(x)
         loss = loss_fn.fn(h, model.head(h), y, torch.ones(len(y), device=y.device), named,

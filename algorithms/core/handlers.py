@@ -310,6 +310,18 @@ class LocalRun:
         return max(1, math.ceil(len(self.ctx.train_y) / self.ctx.train["batch_size"]))
 
     def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Each local step's minibatch (x, y) of the client's training set: the rows
+        batch_indices() gives."""
+        x, y = self.ctx.train_x, self.ctx.train_y
+        for idx in self.batch_indices():
+            # index_select gathers the same rows as x[idx] at about half the cost per call
+            # for a small batch (no Python-level index parsing)
+            yield x.index_select(0, idx), y.index_select(0, idx)
+
+    def batch_indices(self) -> Iterator[torch.Tensor]:
+        """The row indices of each local step's minibatch, the run's seed, epochs, partial
+        work and time budget applied, the work done recorded in `work` as each step is
+        taken (cohort training gathers several clients' rows at once from these)."""
         # every local step goes through here (DP-SGD's Poisson batches and FedRep's head
         # run too), so this is where a run's optimizers start as train.optimizer_state says
         self.ctx.start_local_run(self.lr_factor)
@@ -334,10 +346,7 @@ class LocalRun:
                     self.work.stopped = "budget"
                     return
                 idx = order[i * bs:(i + 1) * bs]
-                # index_select gathers the same rows as x[idx] at about half the cost
-                # per call for a small batch (no Python-level index parsing)
-                yield (self.ctx.train_x.index_select(0, idx),
-                       self.ctx.train_y.index_select(0, idx))
+                yield idx
                 step += 1
                 self.work.steps = step
                 self.work.samples += len(idx)
