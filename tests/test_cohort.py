@@ -141,6 +141,8 @@ def assert_close(a, b) -> None:
     ("fedproto", {}, "persist", 4),
     ("fedproto", {"proto_loss": "eq8_mean"}, "fresh", 2),
     ("local", {}, "persist", 3),
+    ("fedavg-proto", {}, "fresh", 2),
+    ("proto-attention", {}, "persist", 2),
 ])
 def test_cohort_equals_one_by_one(algorithm, params, state, tail, path, monkeypatch):
     # unequal client sizes, two clients on partial work (one of them below one epoch),
@@ -156,7 +158,11 @@ def test_cohort_equals_one_by_one(algorithm, params, state, tail, path, monkeypa
     on = _cfg(algorithm, algorithm=params, train={"optimizer_state": state, "cohort": "on"})
     partial = {1: 0.4, 4: 1.5}
     seq = _federate(off, ClientPool(off, torch.device("cpu")), cohort=False, partial=partial)
-    coh = _federate(on, ClientPool(on, torch.device("cpu")), cohort=True, partial=partial)
+    with capture_logs() as logs:
+        coh = _federate(on, ClientPool(on, torch.device("cpu")), cohort=True, partial=partial)
+    # every round's clients went through a cohort (none fell back to one by one)
+    trained = [e["clients"] for e in logs if e["event"] == "cohort trained"]
+    assert sum(trained) == 3 * CLIENTS and not [e for e in logs if e["event"] == "cohort off"]
     assert [u["work"] for u in seq[0]] == [u["work"] for u in coh[0]]
     assert {u["work"]["stopped"] for u in seq[0]} == {"done", "partial"}
     assert len({u["work"]["steps"] for u in seq[0]}) > 3  # the clients' runs differ in length
