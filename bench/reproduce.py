@@ -480,8 +480,12 @@ def describe(recipe: Recipe) -> list[str]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = "recipes:\n" + "\n".join(f"  {n:<20} {r.title}" for n, r in RECIPES.items())
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.add_argument("recipe", metavar="NAME", choices=["list", *RECIPES],
-                   help="a recipe (below), or `list` to print every recipe's settings")
+    p.add_argument("recipe", metavar="NAME", choices=["list", "verdicts", *RECIPES],
+                   help="a recipe (below), `list` to print every recipe's settings, or "
+                   "`verdicts` to print one markdown table of every paired verdict in the "
+                   "--from files")
+    p.add_argument("--from", dest="sources", action="append", default=[], metavar="JSON",
+                   help="with `verdicts`: a table a run wrote with --json (repeatable)")
     p.add_argument("--scale", choices=SCALES, default="full",
                    help="full (default): the recipe as written; smoke: 1 seed, 2 rounds, "
                    "1 epoch, few clients (a check that it runs, not a result)")
@@ -562,12 +566,49 @@ def run_all(recipe: Recipe, runs: list[tuple[Row, int, dict[str, dict[str, Any]]
     return per_run, failed
 
 
+def verdict_table(docs: list[Mapping[str, Any]]) -> list[str]:
+    """One markdown table of every ordering pair the --json tables `docs` judged seed by
+    seed: the pair, the recipe, the paired mean difference, its 95 % interval, the seeds
+    and the verdict."""
+    lines = ["| paper's ordering (pair) | recipe | paired mean difference | 95% interval | "
+             "seeds | verdict |", "|---|---|---|---|---|---|"]
+    for doc in docs:
+        for pair in doc["ordering"]["ours"].get("paired", []):
+            mean = pair.get("mean")
+            low, high = pair.get("low"), pair.get("high")
+            interval = "-" if low is None else f"[{low:+.2f}, {high:+.2f}]"
+            lines.append(f"| {pair['hi']} > {pair['lo']} | `{doc['recipe']}` | "
+                         + ("-" if mean is None else f"{mean:+.2f}")
+                         + f" | {interval} | {pair['seeds']} | {pair['verdict']} |")
+    return lines
+
+
+def _verdicts(args: argparse.Namespace) -> int:
+    err = "fedbus bench reproduce verdicts"
+    if not args.sources:
+        print(f"{err}: give the tables with --from JSON (written by --json)", file=sys.stderr)
+        return 2
+    docs = []
+    for source in args.sources:
+        try:
+            doc = json.loads(Path(source).read_text())
+            doc["ordering"]["ours"], doc["recipe"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"{err}: {source}: not a table written by --json ({e})", file=sys.stderr)
+            return 2
+        docs.append(doc)
+    print("\n".join(verdict_table(docs)))
+    return 0
+
+
 def main_args(args: argparse.Namespace) -> int:
     err = "fedbus bench reproduce"
     if args.recipe == "list":
         for r in RECIPES.values():
             print("\n".join(describe(r)) + "\n")
         return 0
+    if args.recipe == "verdicts":
+        return _verdicts(args)
     recipe = RECIPES[args.recipe]
     if args.seeds is None:
         args.seeds = 1 if args.scale == "smoke" else 3

@@ -8,6 +8,15 @@ so each gets its own gradient), and one stacked SGD update follows. For a small 
 most of a sequential step is per-call overhead, not arithmetic, so K clients cost little
 more than one (docs/PERFORMANCE.md: the synthetic MLP setting).
 
+A step is computed one of two ways:
+- an affine chain (a network that declares itself one, ProtoNet.affine_chain: the mlps):
+  its layers run as batched matrix products over the stacked weights, autograd only
+  through the loss (from the features and logits, in the loss's batched twin where it is a
+  built-in one, else vmapped), and the chain's backward written out (_chain_grads). On the
+  2-core CPU this is what makes a cohort pay: vmap's per-op batching and functional_call
+  cost more than the arithmetic of a small model (docs/PERFORMANCE.md);
+- any other supported network: the vmapped functional_call forward above.
+
 What stays each client's own, exactly as `LocalClient.run_local` would do it alone:
 - its minibatches: each client's `LocalRun.batch_indices()` generator is advanced once per
   cohort step (the rows of every client's batch gathered at once from their training sets),
