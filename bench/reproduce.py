@@ -572,14 +572,20 @@ def verdict_table(docs: list[Mapping[str, Any]]) -> list[str]:
     and the verdict."""
     lines = ["| paper's ordering (pair) | recipe | paired mean difference | 95% interval | "
              "seeds | verdict |", "|---|---|---|---|---|---|"]
+    unjudged = []
     for doc in docs:
         for pair in doc["ordering"]["ours"].get("paired", []):
+            if not pair["seeds"]:  # rows a partial run (--only) left out
+                unjudged.append(f"{pair['hi']} > {pair['lo']} (`{doc['recipe']}`)")
+                continue
             mean = pair.get("mean")
             low, high = pair.get("low"), pair.get("high")
             interval = "-" if low is None else f"[{low:+.2f}, {high:+.2f}]"
             lines.append(f"| {pair['hi']} > {pair['lo']} | `{doc['recipe']}` | "
                          + ("-" if mean is None else f"{mean:+.2f}")
                          + f" | {interval} | {pair['seeds']} | {pair['verdict']} |")
+    if unjudged:
+        lines += ["", "not judged (no seed has both rows): " + "; ".join(unjudged)]
     return lines
 
 

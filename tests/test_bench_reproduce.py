@@ -380,18 +380,20 @@ def test_verdicts_table_gathers_every_pair_from_the_json_tables(tmp_path, capsys
     values = {"A": [3.0, 3.1, 3.2], "B": [2.0, 2.0, 2.1], "C": [2.5, 2.6, 2.4]}
     _, _, pairs = rp.paired_verdict(["A > B > C"], values, [0, 1, 2])
     one = {"recipe": "tan-table1", "ordering": {"ours": {"paired": pairs}}}
-    _, _, single = rp.paired_verdict(["A > B"], {"A": [3.0], "B": [1.0]}, [0])
+    _, _, single = rp.paired_verdict(["A > B", "A > Z"], {"A": [3.0], "B": [1.0]}, [0])
     two = {"recipe": "fedtgp-hetero", "ordering": {"ours": {"paired": single}}}
     paths = []
     for i, doc in enumerate((one, two)):
         paths += ["--from", str(tmp_path / f"{i}.json")]
         (tmp_path / f"{i}.json").write_text(json.dumps(doc))
     assert rp.main_args(_args("verdicts", *paths)) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ")]
     assert len(rows) == 1 + 3  # the header and every pair of both tables
     assert rows[1].startswith("| A > B | `tan-table1` | +1.07 | [+")
     assert rows[1].endswith("| 3 | holds |") and rows[2].endswith("| 3 | fails |")
     assert rows[3] == "| A > B | `fedtgp-hetero` | +2.00 | - | 1 | unresolved |"
+    assert "not judged (no seed has both rows): A > Z (`fedtgp-hetero`)" in out
     # no tables, or a file that is no table: a clear error
     assert rp.main_args(_args("verdicts")) == 2
     (tmp_path / "bad.json").write_text("{}")
