@@ -497,12 +497,10 @@ def cohort_reason(handler: ClientHandler, mode: str) -> str | None:
         convs = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
         balance = float(handler.ctx.extra.get("node_balance", 1.0))
         model = handler.ctx.model
-        names = [n for n, p in model.named_parameters() if p.requires_grad]
         if any(isinstance(m, convs) for m in model.modules()):
             reason = "auto: convolutions on the CPU are no faster vectorised"
-        elif affine_chain(model, names) is not None:
-            pass
-        elif balance < AUTO_MIN_BALANCE:
+        elif balance < AUTO_MIN_BALANCE and affine_chain(
+                model, [n for n, p in model.named_parameters() if p.requires_grad]) is None:
             reason = (f"auto: the node's client sizes are unbalanced (mean/max "
                       f"{balance:.2f} < {AUTO_MIN_BALANCE}): on the CPU a cohort then runs "
                       "as long as its largest client")

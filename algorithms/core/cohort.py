@@ -322,7 +322,7 @@ def _chain_grads(layers: Sequence[tuple[str, bool]], feat: int, batched_fn: Call
                  ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Every client's gradient for an affine chain: the forward as batched matrix products
     (x [K, B, ...] flattened; weights [K, out, in]), autograd only through the functional
-    loss (vmapped over the clients, from the features and logits as leaves, and the
+    loss (`batched_fn` over the clients, from the features and logits as leaves, and the
     parameters where the loss reads them: FedProx), the chain's backward written out:
     d_in = (d_out * relu') @ W, grad W = (d_out * relu')^T a_in, grad b = sum over rows.
     Padding rows (w = 0) get a zero loss gradient and so add nothing."""
@@ -362,6 +362,37 @@ def _chain_grads(layers: Sequence[tuple[str, bool]], feat: int, batched_fn: Call
         if g is not None:  # the loss's own term in the parameters (FedProx's anchor)
             grads[n] = grads[n] + g
     return grads, loss.detach()
+
+
+def _vmap_step(model: torch.nn.Module, names: Sequence[str], fn: Callable
+               ) -> Callable[..., tuple[dict[str, torch.Tensor], torch.Tensor]]:
+    """step(params, consts, x, y, w) -> (every client's gradients, losses) for any supported
+    network: the forward vmapped, the backward torch's autograd over the sum of the clients'
+    losses (each client's loss depends on its own rows only, so the gradient of the sum in
+    its rows is its own loss's; cheaper per step than vmap(grad(...)) here)."""
+    split = _Split(model)
+    prefixed = {n: "model." + n for n in names}
+
+    def client_loss(params, consts, x, y, w):
+        h, logits = functional_call(split, {prefixed[n]: v for n, v in params.items()}, (x,))
+        return fn(h, logits, y, w, params, consts)
+
+    batched_loss = vmap(client_loss)
+
+    def step(params, consts, x, y, w):
+        leaves = {n: v.detach().requires_grad_() for n, v in params.items()}
+        loss = batched_loss(leaves, consts, x, y, w)
+        grads = torch.autograd.grad(loss.sum(), [leaves[n] for n in names])
+        return dict(zip(names, grads)), loss.detach()
+    return step
+
+
+def _chain_step(chain: tuple[tuple[tuple[str, bool], ...], int], names: Sequence[str],
+                fn: Callable) -> Callable[..., tuple[dict[str, torch.Tensor], torch.Tensor]]:
+    """The same step for an affine chain (_chain_grads), the loss in its batched twin where
+    it has one, else vmapped."""
+    layers, feat = chain
+    return functools.partial(_chain_grads, layers, feat, batched_form(fn) or vmap(fn), names)
 
 
 def _stack(trees: Sequence[Any]) -> Any:
@@ -464,30 +495,8 @@ def train_cohort(members: Sequence[CohortMember], tail: int | None = None) -> li
             bufs[n] = torch.stack(rows).clone()
     C = _stack([m.loss.consts for m in members]) if members[0].loss.consts else {}
     fn = members[0].loss.fn
-    split = _Split(model0)
-    prefixed = {n: "model." + n for n in names}
-
-    def client_loss(params, consts, x, y, w):
-        h, logits = functional_call(split, {prefixed[n]: v for n, v in params.items()}, (x,))
-        return fn(h, logits, y, w, params, consts)
-
-    batched_loss = vmap(client_loss)
-
-    def step_fn(params, consts, x, y, w):
-        # the forward vmapped, the backward torch's autograd over the sum of the clients'
-        # losses: each client's loss depends on its own rows only, so the gradient of the sum
-        # in its rows is its own loss's (cheaper per step than vmap(grad(...)) here)
-        leaves = {n: v.detach().requires_grad_() for n, v in params.items()}
-        loss = batched_loss(leaves, consts, x, y, w)
-        grads = torch.autograd.grad(loss.sum(), [leaves[n] for n in names])
-        return dict(zip(names, grads)), loss.detach()
     chain = affine_chain(model0, names)
-    if chain is not None:
-        layers, feat = chain
-        loss_of = batched_form(fn) or vmap(fn)
-
-        def step_fn(params, consts, x, y, w):  # noqa: F811 - the chain's own step
-            return _chain_grads(layers, feat, loss_of, names, params, consts, x, y, w)
+    step_fn = _vmap_step(model0, names, fn) if chain is None else _chain_step(chain, names, fn)
     uniform = _uniform(lrs) and _uniform(moms) and _uniform(wds)
     lr, mom, wd = lrs[0], moms[0], wds[0]
 
