@@ -170,6 +170,34 @@ def test_cohort_equals_one_by_one(algorithm, params, state, tail, path, monkeypa
     assert_close(seq[1], coh[1])
 
 
+@pytest.mark.parametrize("algorithm,params", [
+    ("fedavg", {}), ("fedprox", {"mu": 0.1}), ("fedproto", {}),
+    ("fedproto", {"proto_loss": "eq8"})])
+def test_plain_sgd_cohort_steps_in_place_and_equals_one_by_one(algorithm, params,
+                                                                monkeypatch):
+    # no momentum, no weight decay, one rate (Michieli & Ozay's setting): the chain takes
+    # each step in place (baddbmm_ into the weights, no gradient tensors); the loss's
+    # gradient written out (ce, prox, mse) or by autograd (eq8)
+    rates = []
+    real = cohort._chain_grads
+
+    def spy(*args, **kwargs):
+        rates.append(kwargs.get("lr"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cohort, "_chain_grads", spy)
+    plain = {"momentum": 0.0, "weight_decay": 0.0, "lr_decay": 1.0}
+    off = _cfg(algorithm, algorithm=params, train={**plain, "cohort": "off"})
+    on = _cfg(algorithm, algorithm=params, train={**plain, "cohort": "on"})
+    partial = {1: 0.4, 4: 1.5}
+    seq = _federate(off, ClientPool(off, torch.device("cpu")), cohort=False, partial=partial)
+    coh = _federate(on, ClientPool(on, torch.device("cpu")), cohort=True, partial=partial)
+    assert rates and set(rates) == {on.train["lr"]}, set(rates)
+    assert [u["work"] for u in seq[0]] == [u["work"] for u in coh[0]]
+    assert_close([u["payload"] for u in seq[0]], [u["payload"] for u in coh[0]])
+    assert_close(seq[1], coh[1])
+
+
 @pytest.mark.parametrize("arch", ["mlp", "mlp:32", "mlp-fedcl"])
 def test_affine_chain_gradients_equal_autograd_through_the_network(arch):
     # the declared chain (ProtoNet.affine_chain) must be the network: the written-out
@@ -198,8 +226,9 @@ def test_affine_chain_gradients_equal_autograd_through_the_network(arch):
             cohort.prox_loss(h, logits, y_, w_, p_, {"anchor": anchor}, mu=0.3)
 
     consts["anchor"] = {n: torch.stack([v] * k) for n, v in consts["anchor"].items()}
-    grads, losses = cohort._chain_grads(layers, feat, torch.func.vmap(loss), names, params,
-                                        consts, x, y, w)
+    grads, losses = cohort._chain_grads(layers, feat,
+                                        cohort._through_autograd(torch.func.vmap(loss)),
+                                        names, params, consts, x, y, w)
     for j in range(k):
         one = copy.deepcopy(model)
         with torch.no_grad():
@@ -250,6 +279,19 @@ def test_batched_losses_equal_the_vmapped_per_client_losses(fn):
         if a is not None:
             torch.testing.assert_close(a, e)
     assert cohort.batched_form(lambda *a: 0) is None  # any other loss: vmapped
+    # and where the loss's gradient is written out (all but the eq8 forms), the same values
+    # and gradients as autograd's through the per-client form
+    written = cohort.written_form(fn)
+    assert (written is None) == (getattr(fn, "keywords", {}).get("form", "mse") != "mse")
+    if written is None:
+        return
+    loss, d_h, d_logits, terms = written(h, logits, y, w, params, consts)
+    torch.testing.assert_close(loss, want)
+    for a, e in zip([d_h, d_logits, *[terms.get(n) for n in params]], want_grads):
+        assert (a is None) == (e is None)
+        if a is not None:
+            torch.testing.assert_close(a, e)
+    assert cohort.written_form(lambda *a: 0) is None
 
 
 def test_a_network_that_changes_its_features_is_no_chain():

@@ -10,11 +10,14 @@ more than one (docs/PERFORMANCE.md: the synthetic MLP setting).
 
 A step is computed one of two ways:
 - an affine chain (a network that declares itself one, ProtoNet.affine_chain: the mlps):
-  its layers run as batched matrix products over the stacked weights, autograd only
-  through the loss (from the features and logits, in the loss's batched twin where it is a
-  built-in one, else vmapped), and the chain's backward written out (_chain_grads). On the
-  2-core CPU this is what makes a cohort pay: vmap's per-op batching and functional_call
-  cost more than the arithmetic of a small model (docs/PERFORMANCE.md);
+  its layers run as batched matrix products over the stacked weights, the chain's backward
+  written out (_chain_grads), and the loss's gradient in the features and logits written
+  out too for the built-in losses (cross-entropy, FedProx's, FedProto's "mse": no autograd
+  in the step at all), else by autograd through the loss alone (its batched twin, or
+  vmapped); with plain SGD (no momentum, no weight decay, one rate) each step goes into the
+  weights in place. On the 2-core CPU this is what makes a cohort pay: vmap's per-op
+  batching, functional_call and autograd's engine cost more than the arithmetic of a small
+  model (docs/PERFORMANCE.md);
 - any other supported network: the vmapped functional_call forward above.
 
 What stays each client's own, exactly as `LocalClient.run_local` would do it alone:
@@ -211,6 +214,86 @@ def batched_form(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]
     return functools.partial(twin, **keywords) if twin is not None else None
 
 
+# The built-in losses' gradients written out, from the batched twins' arithmetic:
+# (h, logits, y, w, params, consts) -> (loss [K], d loss/d h or None, d loss/d logits,
+# {parameter: d loss/d parameter} for the loss's own terms in the parameters). The affine
+# chain's step takes them where the loss is one of these (no autograd at all: on the 2-core
+# CPU autograd's engine cost a third of an mlp step, docs/PERFORMANCE.md), else autograd
+# through the batched twin or the vmapped loss (_through_autograd).
+def _ce_value_and_grad(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """weighted_ce_batched and its gradient in the logits, softmax c - onehot c with
+    c = w / sum(w) (in that order, as torch's log_softmax backward rounds it)."""
+    lsm = torch.log_softmax(logits, -1)
+    wsum = w.sum(1).clamp(min=1.0)
+    loss = (-lsm.gather(2, y.unsqueeze(2)).squeeze(2) * w).sum(1) / wsum
+    c = (w / wsum.unsqueeze(1)).unsqueeze(2)
+    d = lsm.exp_().mul_(c)
+    return loss, d.scatter_add_(2, y.unsqueeze(2), -c)
+
+
+def ce_grads(h, logits, y, w, params, consts):
+    loss, d = _ce_value_and_grad(logits, y, w)
+    return loss, None, d, {}
+
+
+def prox_grads(h, logits, y, w, params, consts, *, mu: float):
+    """FedProx's eq. 2: the term's gradient is mu (p - anchor)."""
+    loss, d = _ce_value_and_grad(logits, y, w)
+    anchor = consts["anchor"]
+    diffs = {n: params[n] - anchor[n] for n in anchor}
+    prox = sum((v ** 2).flatten(1).sum(1) for v in diffs.values())
+    return loss + 0.5 * mu * prox, None, d, {n: mu * v for n, v in diffs.items()}
+
+
+def proto_grads(h, logits, y, w, params, consts, *, lam: float, form: str):
+    """FedProto's eq. 7 in its "mse" form: the regulariser's gradient in the features is
+    2 lam (h - target) w / (sum(w) D)."""
+    assert form == "mse", form
+    g, has = consts["g"].to(h.dtype), consts["has"]
+    loss, d = _ce_value_and_grad(logits, y, w)
+    target = torch.where(has.gather(1, y).unsqueeze(2),
+                         g.gather(1, y.unsqueeze(2).expand(-1, -1, g.shape[2])), h)
+    diff = h - target
+    scale = w.sum(1).clamp(min=1.0) * h.shape[2]
+    reg = (diff ** 2 * w.unsqueeze(2)).sum((1, 2)) / scale
+    d_h = diff * (2.0 * lam * w / scale.unsqueeze(1)).unsqueeze(2)
+    return loss + lam * reg, d_h, d, {}
+
+
+_WRITTEN = {ce_loss: ce_grads, prox_loss: prox_grads, proto_loss: proto_grads}
+
+
+def written_form(fn: Callable[..., torch.Tensor]) -> Callable[..., tuple] | None:
+    """The written-out gradient of a built-in loss (proto_loss in its "mse" form only), or
+    None."""
+    base, keywords = fn, {}
+    if isinstance(fn, functools.partial) and not fn.args:
+        base, keywords = fn.func, fn.keywords
+    grads = _WRITTEN.get(base)
+    if grads is None or base is proto_loss and keywords.get("form") != "mse":
+        return None
+    return functools.partial(grads, **keywords)
+
+
+def _through_autograd(batched_fn: Callable[..., torch.Tensor]) -> Callable[..., tuple]:
+    """The same (loss, d_h, d_logits, parameter terms) of any batched loss by autograd, the
+    features, logits and parameters as leaves (where the features are the logits, their
+    whole gradient is d_logits)."""
+    def loss_grads(h, logits, y, w, params, consts):
+        h_ = h.detach().requires_grad_()
+        lg = h_ if logits is h else logits.detach().requires_grad_()
+        leaves = {n: v.detach().requires_grad_() for n, v in params.items()}
+        with torch.enable_grad():
+            loss = batched_fn(h_, lg, y, w, leaves, consts)
+            got = torch.autograd.grad(loss.sum(), [h_, lg, *leaves.values()],
+                                      allow_unused=True)
+        d_h = None if lg is h_ else got[0]
+        terms = {n: g for n, g in zip(leaves, got[2:]) if g is not None}
+        return loss.detach(), d_h, got[1], terms
+    return loss_grads
+
+
 # --------------------------------------------------------------------------- support
 _LOOP_METHODS = ("train", "run_local", "batch_loss", "begin_local", "clip_gradients")
 
@@ -316,16 +399,19 @@ def affine_chain(model: torch.nn.Module, names: Sequence[str]
 
 
 @torch.no_grad()
-def _chain_grads(layers: Sequence[tuple[str, bool]], feat: int, batched_fn: Callable,
+def _chain_grads(layers: Sequence[tuple[str, bool]], feat: int, loss_grads: Callable,
                  names: Sequence[str], params: Mapping[str, torch.Tensor], consts: Any,
-                 x: torch.Tensor, y: torch.Tensor, w: torch.Tensor
+                 x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, lr: float | None = None
                  ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Every client's gradient for an affine chain: the forward as batched matrix products
-    (x [K, B, ...] flattened; weights [K, out, in]), autograd only through the functional
-    loss (`batched_fn` over the clients, from the features and logits as leaves, and the
-    parameters where the loss reads them: FedProx), the chain's backward written out:
-    d_in = (d_out * relu') @ W, grad W = (d_out * relu')^T a_in, grad b = sum over rows.
-    Padding rows (w = 0) get a zero loss gradient and so add nothing."""
+    (x [K, B, ...] flattened; weights [K, out, in]), the loss's gradients in the features
+    and logits from `loss_grads` (written out, or _through_autograd), the chain's backward
+    written out: d_in = (d_out * relu') @ W, grad W = (d_out * relu')^T a_in, grad b = sum
+    over rows. Padding rows (w = 0) get a zero loss gradient and so add nothing.
+    With `lr` (plain SGD: one rate, no momentum, no weight decay), the step p <- p - lr
+    grad is taken in place instead, each weight's product accumulated straight into it
+    (baddbmm_) once the layer below has its d_in: no gradient tensor is written and read
+    back (measured ~10 % of a step of the mlp on the 2-core CPU); returns ({}, losses)."""
     k, b = x.shape[0], x.shape[1]
     a = x.reshape(k, b, -1)
     inputs, outs = [], []
@@ -336,32 +422,32 @@ def _chain_grads(layers: Sequence[tuple[str, bool]], feat: int, batched_fn: Call
         if relu:
             a = a.relu_()
         outs.append(a)
-    # leaves of their own: the written-out backward below stays outside autograd
-    h = outs[feat].detach().requires_grad_()
-    logits = outs[-1].detach().requires_grad_() if len(outs) - 1 != feat else h
-    leaves = {n: params[n].detach().requires_grad_() for n in names}
-    with torch.enable_grad():
-        loss = batched_fn(h, logits, y, w, leaves, consts)
-        got = torch.autograd.grad(loss.sum(), [h, logits, *leaves.values()],
-                                  allow_unused=True)
-    d_h, d = got[0], got[1]
+    loss, d_h, d, terms = loss_grads(outs[feat], outs[-1], y, w,
+                                     {n: params[n] for n in names}, consts)
     grads: dict[str, torch.Tensor] = {}
     for i in range(len(layers) - 1, -1, -1):
         prefix, relu = layers[i]
         if d is None:
             d = torch.zeros_like(outs[i])
-        if i == feat and d_h is not None and feat != len(layers) - 1:
+        if i == feat and d_h is not None:
             d = d + d_h
         if relu:
             d = d * (outs[i] > 0)
-        grads[prefix + ".weight"] = torch.bmm(d.transpose(1, 2), inputs[i])
-        grads[prefix + ".bias"] = d.sum(1)
-        if i:
-            d = torch.bmm(d, params[prefix + ".weight"])
-    for n, g in zip(names, got[2:]):
-        if g is not None:  # the loss's own term in the parameters (FedProx's anchor)
+        weight, bias = params[prefix + ".weight"], params[prefix + ".bias"]
+        d_in = torch.bmm(d, weight) if i else None
+        if lr is None:
+            grads[prefix + ".weight"] = torch.bmm(d.transpose(1, 2), inputs[i])
+            grads[prefix + ".bias"] = d.sum(1)
+        else:
+            weight.baddbmm_(d.transpose(1, 2), inputs[i], alpha=-lr)
+            bias.add_(d.sum(1), alpha=-lr)
+        d = d_in
+    for n, g in terms.items():  # the loss's own term in the parameters (FedProx's anchor)
+        if lr is None:
             grads[n] = grads[n] + g
-    return grads, loss.detach()
+        else:
+            params[n].add_(g, alpha=-lr)
+    return grads, loss
 
 
 def _vmap_step(model: torch.nn.Module, names: Sequence[str], fn: Callable
@@ -389,10 +475,11 @@ def _vmap_step(model: torch.nn.Module, names: Sequence[str], fn: Callable
 
 def _chain_step(chain: tuple[tuple[tuple[str, bool], ...], int], names: Sequence[str],
                 fn: Callable) -> Callable[..., tuple[dict[str, torch.Tensor], torch.Tensor]]:
-    """The same step for an affine chain (_chain_grads), the loss in its batched twin where
-    it has one, else vmapped."""
+    """The same step for an affine chain (_chain_grads), the loss's gradient written out
+    where it has that form, else by autograd through its batched twin, else vmapped."""
     layers, feat = chain
-    return functools.partial(_chain_grads, layers, feat, batched_form(fn) or vmap(fn), names)
+    loss_grads = written_form(fn) or _through_autograd(batched_form(fn) or vmap(fn))
+    return functools.partial(_chain_grads, layers, feat, loss_grads, names)
 
 
 def _stack(trees: Sequence[Any]) -> Any:
@@ -499,6 +586,7 @@ def train_cohort(members: Sequence[CohortMember], tail: int | None = None) -> li
     step_fn = _vmap_step(model0, names, fn) if chain is None else _chain_step(chain, names, fn)
     uniform = _uniform(lrs) and _uniform(moms) and _uniform(wds)
     lr, mom, wd = lrs[0], moms[0], wds[0]
+    fused = chain is not None and uniform and wd == 0 and not (use_mom and mom != 0)
 
     def hyper(values: list[float], like: torch.Tensor) -> torch.Tensor:
         return _per_client(values, like)
@@ -555,8 +643,10 @@ def train_cohort(members: Sequence[CohortMember], tail: int | None = None) -> li
                 W[j, :sizes[j]] = 1.0
             X = data_x.index_select(0, rows.view(-1)).view(k_now, bs, *data_x.shape[1:])
             Y = data_y.index_select(0, rows.view(-1)).view(k_now, bs)
-        grads, loss = step_fn(P, C, X, Y, W)
-        if uniform:  # torch.optim.SGD's arithmetic (its foreach path), op for op, in place
+        if fused:
+            _, loss = step_fn(P, C, X, Y, W, lr=lr)
+        elif uniform:  # torch.optim.SGD's arithmetic (its foreach path), op for op, in place
+            grads, loss = step_fn(P, C, X, Y, W)
             ps, gs = [P[n] for n in names], [grads[n] for n in names]
             if wd != 0:
                 torch._foreach_add_(gs, ps, alpha=wd)
@@ -567,6 +657,7 @@ def train_cohort(members: Sequence[CohortMember], tail: int | None = None) -> li
                 gs = bs_
             torch._foreach_add_(ps, gs, alpha=-lr)
         else:  # clients of different rates (tasks of different rounds: lr_decay)
+            grads, loss = step_fn(P, C, X, Y, W)
             for n in names:
                 p, g = P[n], grads[n]
                 g = g + hyper([wds[k] for k in idx], p) * p
