@@ -19,6 +19,15 @@ the run directories and a complete run there is reused (fedbus.bench.common.run_
 Time: a round of the defaults takes ~20 s on two shared CPU cores (FedAvg; proto-attention
 adds two prototype passes over the training data), so the default 2 x 3 runs take
 roughly 45-60 minutes.
+
+Michieli & Ozay's Fig. 5 varies both the label skew (alpha in {0.01, 0.1, 1}) and the
+share δ of clients doing partial work (0, 50, 80 %): `--alpha 0.1 --partial 0.5` is one of
+its cells (system.partial_work with partial_fraction δ: a partial client runs F' ~ U[0, F]
+epochs; FedAvg drops partial updates as the paper's FedAvg does, algorithm.partial =
+"drop", and proto-attention aggregates them, its toleration). Below the table, each other
+algorithm against the first one (FedAvg by default), seed by seed: the mean paired
+difference in mIoU and its 95 % t interval (a seed fixes the data, partition and initial
+model for every algorithm).
 """
 from __future__ import annotations
 
@@ -49,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", default="deeplab",
                    help="deeplab (= deeplab:resnet8) or deeplab:mobilenetv2")
     p.add_argument("--epochs", type=int, default=1, help="local epochs per round (default 1)")
+    p.add_argument("--partial", type=float, default=0.0, metavar="DELTA",
+                   help="share of tasks run as partial work, F' ~ U[0, F] epochs (Michieli & "
+                        "Ozay's δ; default 0: none); FedAvg then drops partial updates")
     p.add_argument("--nodes", type=int, default=2, help="client-node processes (default 2)")
     p.add_argument("--out", default=None,
                    help="folder for the run directories (kept; default a temporary folder)")
@@ -57,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def sections(args: argparse.Namespace, algorithm: str, seed: int) -> dict[str, dict[str, Any]]:
     """One run's config, as examples/segmentation-shapes.toml with the bench's settings."""
-    return {
+    cfg: dict[str, dict[str, Any]] = {
         "federation": {"clients": args.clients, "rounds": args.rounds, "seed": seed,
                        "eval_every": args.rounds, "start_timeout_s": 120.0},
         "data": {"dataset": "shapes-seg", "partition": "dirichlet", "alpha": args.alpha,
@@ -69,11 +81,18 @@ def sections(args: argparse.Namespace, algorithm: str, seed: int) -> dict[str, d
         "log": {"messages": False, "embeddings": 0},
         "launch": {"nodes": args.nodes},
     }
+    if args.partial > 0:
+        cfg["system"] = {"partial_work": True, "partial_fraction": args.partial}
+        if algorithm == "fedavg":  # the paper's FedAvg drops partial work
+            cfg["algorithm"]["partial"] = "drop"
+    return cfg
 
 
 def run_name(args: argparse.Namespace, algorithm: str, seed: int) -> str:
+    partial = f"-d{args.partial:g}" if args.partial > 0 else ""
     return (f"seg-{algorithm}-{args.arch.replace(':', '_')}-c{args.clients}-a{args.alpha:g}"
-            f"-n{args.images}-s{args.image_size}-r{args.rounds}-e{args.epochs}-seed{seed}")
+            f"-n{args.images}-s{args.image_size}-r{args.rounds}-e{args.epochs}{partial}"
+            f"-seed{seed}")
 
 
 def _cell(values: list[float | None]) -> str:
@@ -94,6 +113,31 @@ def table(results: list[dict[str, Any]], algorithms: list[str]) -> list[str]:
     return lines
 
 
+def paired_lines(results: list[dict[str, Any]], algorithms: list[str],
+                 key: str = "miou") -> list[str]:
+    """Each algorithm after the first against the first, seed by seed (mean difference of
+    `key` in points and its 95 % t interval)."""
+    from fedbus.analysis.table import paired_difference
+
+    def by_seed(algo: str) -> dict[int, float]:
+        return {r["seed"]: r[key] for r in results
+                if r["algorithm"] == algo and r.get(key) is not None}
+
+    base = algorithms[0]
+    lines = []
+    for algo in algorithms[1:]:
+        d = paired_difference(by_seed(algo), by_seed(base))
+        name = f"{LABELS.get(algo, algo)} − {LABELS.get(base, base)}"
+        if d is None:
+            lines.append(f"  {name}: no seed has both")
+        elif d.low is None:
+            lines.append(f"  {name}: {100 * d.mean:+.2f} (one seed, no interval)")
+        else:
+            lines.append(f"  {name}: {100 * d.mean:+.2f} [{100 * d.low:+.2f}, "
+                         f"{100 * d.high:+.2f}] over {d.pairs} seeds")
+    return lines
+
+
 def main_args(args: argparse.Namespace) -> int:
     from fedbus.algorithms import available
 
@@ -107,11 +151,16 @@ def main_args(args: argparse.Namespace) -> int:
         print("fedbus bench segmentation: need --seeds, --rounds, --clients >= 1 and "
               "--images >= --clients", file=sys.stderr)
         return 2
+    if not 0.0 <= args.partial <= 1.0:
+        print(f"fedbus bench segmentation: --partial is a share in [0, 1], not {args.partial:g}",
+              file=sys.stderr)
+        return 2
     out = out_dir(args.out, "segmentation")
     seeds = list(range(args.seeds))
     print(f"fedbus bench segmentation: shapes-seg ({args.images} images, {args.image_size} px), "
           f"{args.arch}, {args.clients} clients, dirichlet alpha {args.alpha:g}, "
-          f"{args.rounds} rounds x {args.epochs} epoch(s), seeds {','.join(map(str, seeds))}; "
+          f"{args.rounds} rounds x {args.epochs} epoch(s), partial work δ = "
+          f"{100 * args.partial:g} %, seeds {','.join(map(str, seeds))}; "
           f"run dirs in {out}", flush=True)
     results = []
     for algo in algorithms:
@@ -138,5 +187,10 @@ def main_args(args: argparse.Namespace) -> int:
     print("final evaluation, % (mean ± std over seeds of the mean over clients):")
     for line in table(results, algorithms):
         print(line)
+    if len(algorithms) > 1:
+        print(f"\nmIoU, paired by seed against {LABELS.get(algorithms[0], algorithms[0])} "
+              "(mean difference, points, and 95 % t interval):")
+        for line in paired_lines(results, algorithms):
+            print(line)
     (out / "segmentation.json").write_text(json.dumps(results, indent=2))
     return 0 if results else 1
