@@ -566,26 +566,57 @@ def run_all(recipe: Recipe, runs: list[tuple[Row, int, dict[str, dict[str, Any]]
     return per_run, failed
 
 
+def _variant(doc: Mapping[str, Any]) -> str:
+    """How a --json table's runs differ from its recipe as written: its --set overrides and
+    the rows it ran at other rounds than the recipe's (--rounds); "" for the recipe itself."""
+    notes = [str(o) for o in doc.get("overrides") or []]
+    recipe = RECIPES.get(doc["recipe"])
+    if recipe is not None:
+        written = {row.label: sections(recipe, row, 0)["federation"]["rounds"]
+                   for row in recipe.rows if not row.mean_of}
+        notes += [f"{row['label']}: {row['rounds']} rounds" for row in doc.get("rows", [])
+                  if (row.get("ours") or {}).get("n") and row.get("rounds") is not None
+                  and row["label"] in written and row["rounds"] != written[row["label"]]]
+    return ", ".join(notes)
+
+
 def verdict_table(docs: list[Mapping[str, Any]]) -> list[str]:
     """One markdown table of every ordering pair the --json tables `docs` judged seed by
-    seed: the pair, the recipe, the paired mean difference, its 95 % interval, the seeds
-    and the verdict."""
+    seed: the pair, the recipe (with what its runs changed: _variant), the paired mean
+    difference, its 95 % interval, the seeds and the verdict. A pair that several tables of
+    the same recipe and variant judged (a 3-seed run, then --only rows to 5 seeds) is shown
+    once, from the table with the most seeds; pairs in the order first seen."""
     lines = ["| paper's ordering (pair) | recipe | paired mean difference | 95% interval | "
              "seeds | verdict |", "|---|---|---|---|---|---|"]
-    unjudged = []
+    best: dict[tuple[str, str, str, str], dict[str, Any]] = {}
     for doc in docs:
+        variant = _variant(doc)
+        where = f"`{doc['recipe']}`" + (f" ({variant})" if variant else "")
         for pair in doc["ordering"]["ours"].get("paired", []):
-            if not pair["seeds"]:  # rows a partial run (--only) left out
-                unjudged.append(f"{pair['hi']} > {pair['lo']} (`{doc['recipe']}`)")
-                continue
-            mean = pair.get("mean")
-            low, high = pair.get("low"), pair.get("high")
-            interval = "-" if low is None else f"[{low:+.2f}, {high:+.2f}]"
-            lines.append(f"| {pair['hi']} > {pair['lo']} | `{doc['recipe']}` | "
-                         + ("-" if mean is None else f"{mean:+.2f}")
-                         + f" | {interval} | {pair['seeds']} | {pair['verdict']} |")
+            key = (doc["recipe"], variant, pair["hi"], pair["lo"])
+            if key not in best or pair["seeds"] >= best[key]["seeds"]:
+                best[key] = {**pair, "where": where}
+    unjudged: list[str] = []
+    idle: dict[str, bool] = {}  # variant tables: whether one judged any pair
+    for (_, variant, _, _), pair in best.items():
+        if variant:
+            idle[pair["where"]] = idle.get(pair["where"], True) and not pair["seeds"]
+        if not pair["seeds"]:  # rows a partial run (--only) left out
+            if not variant:
+                unjudged.append(f"{pair['hi']} > {pair['lo']} ({pair['where']})")
+            continue
+        mean = pair.get("mean")
+        low, high = pair.get("low"), pair.get("high")
+        interval = "-" if low is None else f"[{low:+.2f}, {high:+.2f}]"
+        lines.append(f"| {pair['hi']} > {pair['lo']} | {pair['where']} | "
+                     + ("-" if mean is None else f"{mean:+.2f}")
+                     + f" | {interval} | {pair['seeds']} | {pair['verdict']} |")
     if unjudged:
         lines += ["", "not judged (no seed has both rows): " + "; ".join(unjudged)]
+    quiet = [where for where, none in idle.items() if none]
+    if quiet:
+        lines += ["", "variants that judged no pair (rows run with --only; compare them "
+                  "with the recipe's own runs): " + "; ".join(quiet)]
     return lines
 
 

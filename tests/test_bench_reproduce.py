@@ -394,6 +394,29 @@ def test_verdicts_table_gathers_every_pair_from_the_json_tables(tmp_path, capsys
     assert rows[1].endswith("| 3 | holds |") and rows[2].endswith("| 3 | fails |")
     assert rows[3] == "| A > B | `fedtgp-hetero` | +2.00 | - | 1 | unresolved |"
     assert "not judged (no seed has both rows): A > Z (`fedtgp-hetero`)" in out
+    # the same recipe judged again with more seeds (--only rows to 5 seeds): its pair is
+    # shown once, from the table with more seeds; a --set variant is a row of its own, and
+    # one that judged nothing is named below the table
+    more = {"A": [3.0, 3.1, 3.2, 3.0, 3.3], "B": [2.0, 2.0, 2.1, 2.2, 2.0]}
+    _, _, five = rp.paired_verdict(["A > B"], more, [0, 1, 2, 3, 4])
+    docs = [one, {"recipe": "tan-table1", "ordering": {"ours": {"paired": five}}},
+            {"recipe": "tan-table1", "overrides": ["train.lr=0.1"],
+             "ordering": {"ours": {"paired": pairs[:1]}}},
+            {"recipe": "tan-table1", "overrides": ["train.lr=0.5"],
+             "ordering": {"ours": {"paired": [{**pairs[0], "seeds": 0}]}}}]
+    table = rp.verdict_table(docs)
+    rows = [line for line in table if line.startswith("| ")]
+    assert len(rows) == 1 + 3
+    assert rows[1].startswith("| A > B | `tan-table1` | +1.06 | [+")
+    assert rows[1].endswith("| 5 | holds |") and rows[2].endswith("| 3 | fails |")
+    assert rows[3].startswith("| A > B | `tan-table1` (train.lr=0.1) | +1.07 |")
+    assert table[-1].endswith("`tan-table1` (train.lr=0.5)")
+    # a row run at other rounds than the recipe's (--rounds) is a variant too
+    recipe = rp.RECIPES["tan-table1"]
+    ran = [{"label": r.label, "rounds": 99, "ours": {"n": 3}} for r in recipe.rows[:1]]
+    assert rp._variant({"recipe": "tan-table1", "rows": ran}) == \
+        f"{recipe.rows[0].label}: 99 rounds"
+    assert rp._variant({"recipe": "tan-table1", "rows": [{**ran[0], "ours": {"n": 0}}]}) == ""
     # no tables, or a file that is no table: a clear error
     assert rp.main_args(_args("verdicts")) == 2
     (tmp_path / "bad.json").write_text("{}")
