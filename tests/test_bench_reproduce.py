@@ -32,7 +32,8 @@ def _args(*argv: str) -> argparse.Namespace:
 def test_the_brief_names_every_recipe():
     assert set(rp.RECIPES) == {"tan-table1", "qiao-proto-helps", "mpfedcl-label",
                                "mpfedcl-feature", "michieli-synthetic", "michieli-mnist",
-                               "michieli-partial", "fedtgp-hetero", "fpl-digits",
+                               "michieli-partial", "fedtgp-hetero", "fedtgp-baselines",
+                               "fpl-digits",
                                "fednh-label", "fedhkd-label", "fedpac-label",
                                "fedpcl-frozen"}
 
