@@ -588,9 +588,6 @@ def train_cohort(members: Sequence[CohortMember], tail: int | None = None) -> li
     lr, mom, wd = lrs[0], moms[0], wds[0]
     fused = chain is not None and uniform and wd == 0 and not (use_mom and mom != 0)
 
-    def hyper(values: list[float], like: torch.Tensor) -> torch.Tensor:
-        return _per_client(values, like)
-
     final_p: dict[int, dict[str, torch.Tensor]] = {}
     final_b: dict[int, dict[str, torch.Tensor]] = {}
     steps = [0] * k_all
@@ -660,11 +657,11 @@ def train_cohort(members: Sequence[CohortMember], tail: int | None = None) -> li
             grads, loss = step_fn(P, C, X, Y, W)
             for n in names:
                 p, g = P[n], grads[n]
-                g = g + hyper([wds[k] for k in idx], p) * p
+                g = g + _per_client([wds[k] for k in idx], p) * p
                 if use_mom:
-                    bufs[n] = bufs[n] * hyper([moms[k] for k in idx], p) + g
+                    bufs[n] = bufs[n] * _per_client([moms[k] for k in idx], p) + g
                     g = bufs[n]
-                P[n] = p - hyper([lrs[k] for k in idx], p) * g
+                P[n] = p - _per_client([lrs[k] for k in idx], p) * g
         losses.append((loss, idx))
         for k in idx:
             steps[k] += 1
