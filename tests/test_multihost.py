@@ -336,11 +336,12 @@ def test_node_host_cut_off_for_20_s_rejoins(tmp_path):
     cut_round = max(r for r, t in starts.items() if t <= t_cut)  # under way at the cut
     # n1's clients that had not answered the round under way when the link went down fail
     # it by the engine's rules ("late" at its deadline, "dead" when the broker purges the
-    # node), and so do those of the next round if it samples them before the purge (an
-    # update that beat the cut counts, hence "the first round where they fail")
-    failed = [r for r in sorted(by_round) if r >= cut_round and any(
-        by_round[r]["failures"].get(str(c)) in ("late", "dead") for c in lost_clients)]
-    assert failed and failed[0] <= cut_round + 1, [(r["round"], r["failures"]) for r in recs]
+    # node), and so do those of the next round if it samples them before the purge; a round
+    # that starts after the purge does not sample them. Under load the server may start the
+    # next round only after the purge, with every update of the round under way beating the
+    # cut: then no round records a failure (CI saw it once), so the fates, not a failure,
+    # are what is checked, in every round until they return (below)
+    left_out = {"late", "dead", "not sampled"}
     # the broker purged the silent node; the node noticed the silence and registered again
     assert any(t_cut < t < t_heal for t in purged), (t_cut, purged)
     assert any(t_cut < t < t_heal for t in lost), (t_cut, lost)
@@ -355,6 +356,10 @@ def test_node_host_cut_off_for_20_s_rejoins(tmp_path):
     affected = [r for r in sorted(by_round) if r < rejoined[0]
                 and not lost_clients <= set(by_round[r]["participants"])]
     assert affected[0] in (cut_round, cut_round + 1)
+    for r in affected:
+        fate = {by_round[r]["failures"].get(str(c), "not sampled") for c in lost_clients
+                if c not in by_round[r]["participants"]}
+        assert fate and fate <= left_out, (r, fate, by_round[r]["failures"])
     assert not any(lost_clients & set(by_round[r]["participants"])
                    for r in range(cut_round + 1, rejoined[0]))
     report("link_cut", {
