@@ -411,7 +411,7 @@ def _chain_grads(layers: Sequence[tuple[str, bool]], feat: int, loss_grads: Call
     With `lr` (plain SGD: one rate, no momentum, no weight decay), the step p <- p - lr
     grad is taken in place instead, each weight's product accumulated straight into it
     (baddbmm_) once the layer below has its d_in: no gradient tensor is written and read
-    back (measured ~10 % of a step of the mlp on the 2-core CPU); returns ({}, losses)."""
+    back (measured 10-20 % of a step of the mlp on the 2-core CPU); returns ({}, losses)."""
     k, b = x.shape[0], x.shape[1]
     a = x.reshape(k, b, -1)
     inputs, outs = [], []
