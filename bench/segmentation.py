@@ -27,7 +27,9 @@ epochs; FedAvg drops partial updates as the paper's FedAvg does, algorithm.parti
 "drop", and proto-attention aggregates them, its toleration). Below the table, each other
 algorithm against the first one (FedAvg by default), seed by seed: the mean paired
 difference in mIoU and its 95 % t interval (a seed fixes the data, partition and initial
-model for every algorithm).
+model for every algorithm). `--json PATH` writes those verdicts in `bench reproduce
+--json`'s shape, so `fedbus bench reproduce verdicts --from PATH` puts them in the one table
+beside the recipes'.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ import argparse
 import json
 import math
 import sys
+from pathlib import Path
 from typing import Any
 
 from fedbus.bench.common import mean_std, out_dir, run_or_reuse
@@ -65,6 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None,
                    help="folder for the run directories (kept; default a temporary folder)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run (default 3600)")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="also write the paired mIoU verdicts as a table that `fedbus bench "
+                        "reproduce verdicts --from PATH` merges with the recipes'")
 
 
 def sections(args: argparse.Namespace, algorithm: str, seed: int) -> dict[str, dict[str, Any]]:
@@ -138,6 +144,32 @@ def paired_lines(results: list[dict[str, Any]], algorithms: list[str],
     return lines
 
 
+def verdict_doc(args: argparse.Namespace, results: list[dict[str, Any]],
+                algorithms: list[str]) -> dict[str, Any]:
+    """The paper's ordering (Fig. 5: each other algorithm above the first, FedAvg) judged
+    on mIoU seed by seed, in the shape `fedbus bench reproduce --json` writes, so that
+    `fedbus bench reproduce verdicts` puts these pairs in the one table (its "recipe"
+    column names this bench and the settings that differ from its defaults)."""
+    from fedbus.bench.reproduce import paired_verdict
+
+    seeds = sorted({r["seed"] for r in results})
+    values = {}
+    for algo in algorithms:
+        by_seed = {r["seed"]: r["miou"] for r in results if r["algorithm"] == algo}
+        values[f"{LABELS.get(algo, algo)}, mIoU"] = [
+            None if by_seed.get(s) is None else 100 * by_seed[s] for s in seeds]
+    base = f"{LABELS.get(algorithms[0], algorithms[0])}, mIoU"
+    order = [f"{label} > {base}" for label in list(values)[1:]]
+    paired = paired_verdict(order, values, seeds)[2]
+    settings = [f"alpha {args.alpha:g}", f"δ = {100 * args.partial:g} %"]
+    if args.rounds != 20:
+        settings.append(f"{args.rounds} rounds")
+    if args.arch != "deeplab":
+        settings.append(args.arch)
+    return {"recipe": "segmentation", "overrides": settings, "seeds": seeds,
+            "results": results, "ordering": {"ours": {"paired": paired}}}
+
+
 def main_args(args: argparse.Namespace) -> int:
     from fedbus.algorithms import available
 
@@ -193,4 +225,7 @@ def main_args(args: argparse.Namespace) -> int:
         for line in paired_lines(results, algorithms):
             print(line)
     (out / "segmentation.json").write_text(json.dumps(results, indent=2))
+    if args.json and results:
+        doc = verdict_doc(args, results, algorithms)
+        Path(args.json).write_text(json.dumps(doc, indent=2))
     return 0 if results else 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from fedbus.bench import segmentation
+from fedbus.bench import reproduce, segmentation
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -18,7 +18,7 @@ def _args(*argv: str) -> argparse.Namespace:
 
 def test_partial_work_runs_drop_for_fedavg_and_pair_the_seeds(tmp_path, capsys):
     args = _args("--seeds", "2", "--rounds", "2", "--alpha", "0.1", "--partial", "0.8",
-                 "--out", str(tmp_path))
+                 "--out", str(tmp_path), "--json", str(tmp_path / "verdicts.json"))
     assert segmentation.main_args(args) == 0
     out = capsys.readouterr().out
     assert "partial work δ = 80 %" in out
@@ -38,6 +38,20 @@ def test_partial_work_runs_drop_for_fedavg_and_pair_the_seeds(tmp_path, capsys):
             assert failed == 0 and all(r["agg"]["updates"] == 3 for r in records)
     results = json.loads((tmp_path / "segmentation.json").read_text())
     assert len(results) == 4 and all(0.0 < r["miou"] <= 1.0 for r in results)
+    # the paired verdict, in the shape `bench reproduce verdicts` merges into its one table
+    doc = json.loads((tmp_path / "verdicts.json").read_text())
+    (pair,) = doc["ordering"]["ours"]["paired"]
+    miou = {(r["algorithm"], r["seed"]): 100 * r["miou"] for r in results}
+    diffs = [miou["proto-attention", s] - miou["fedavg", s] for s in (0, 1)]
+    assert pair["hi"] == "Proto-attention, mIoU" and pair["lo"] == "FedAvg, mIoU"
+    assert pair["seeds"] == 2 and abs(pair["mean"] - sum(diffs) / 2) < 1e-9
+    assert pair["low"] <= pair["mean"] <= pair["high"]
+    expected = "holds" if pair["low"] > 0 else "fails" if pair["high"] < 0 else "unresolved"
+    assert pair["verdict"] == expected
+    lines = reproduce.verdict_table([doc])
+    assert lines[2].startswith("| Proto-attention, mIoU > FedAvg, mIoU | `segmentation` "
+                               "(alpha 0.1, δ = 80 %, 2 rounds) | ")
+    assert lines[2].endswith(f"| 2 | {expected} |")
 
 
 def test_without_partial_work_the_configs_and_names_are_unchanged_and_bad_shares_refused():
