@@ -221,8 +221,9 @@ def sections(recipe: Recipe, row: Row, seed: int, *, scale: str = "full",
         cfg["data"]["dataset"] = ds.replace("{mnist}", str(Path(data).resolve()))
     fed = cfg["federation"]
     fed.setdefault("rounds", 10)
-    fed.update(seed=seed, eval_every=recipe.eval_every if recipe.at == "best"
-               else fed["rounds"])
+    fed["seed"] = seed
+    if "eval_every" not in (extra or {}).get("federation", {}):  # --set may ask for more
+        fed["eval_every"] = recipe.eval_every if recipe.at == "best" else fed["rounds"]
     fed.setdefault("start_timeout_s", 600.0)
     fed.setdefault("hard_deadline_s", 120.0)
     cfg.setdefault("launch", {}).update({"devices": ["cpu"], "threads": 1})
@@ -513,11 +514,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="print the runs (name and config) without running them")
 
 
+# --set keys the benchmark decides itself, each with the option that sets it instead: a
+# --set of them would be overwritten without a word
+_OWN_KEYS = {"federation.seed": "--seeds", "launch": "--nodes (runs are on the CPU, one "
+             "thread a node)", "log": "nothing (runs log warnings, no message log)"}
+
+
 def _overrides(items: list[str]) -> dict[str, dict[str, Any]]:
-    """--set items, parsed by `fedbus run --set`'s own parser, as sections."""
+    """--set items, parsed by `fedbus run --set`'s own parser, as sections; ValueError for
+    a key the benchmark sets itself (_OWN_KEYS)."""
     out: dict[str, dict[str, Any]] = {}
     for item in items:
         section, key, value = _parse_override(item)
+        for own in (f"{section}.{key}", section):
+            if own in _OWN_KEYS:
+                raise ValueError(f"--set {section}.{key}: the benchmark sets {own} itself; "
+                                 f"use {_OWN_KEYS[own]}")
         out.setdefault(section, {})[key] = value
     return out
 

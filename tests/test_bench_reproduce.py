@@ -225,7 +225,28 @@ def test_list_and_bad_arguments(capsys, tmp_path):
     assert rp.main_args(_args("michieli-synthetic", "--set", "train.nope=1",
                               "--dry-run")) == 2
     assert "unknown key train.nope" in capsys.readouterr().err
+    # keys the benchmark sets itself are refused, not silently overwritten
+    for item, hint in (("federation.seed=4", "use --seeds"), ("launch.nodes=4", "--nodes"),
+                       ("log.level=\"debug\"", "log")):
+        parser = argparse.ArgumentParser()
+        rp.add_arguments(parser)
+        parsed = parser.parse_args(["tan-table1", "--set", item, "--dry-run"])
+        assert rp.main_args(parsed) == 2
+        err = capsys.readouterr().err
+        assert "the benchmark sets" in err and hint in err, err
     assert not any(tmp_path.iterdir())
+
+
+def test_set_eval_every_is_kept_and_renames_the_run():
+    """A recipe evaluates once, at its last round; --set federation.eval_every=1 (the
+    trajectory of a final-round verdict) must reach the run, under a name of its own."""
+    recipe = rp.RECIPES["michieli-synthetic"]
+    plain = rp.plan(recipe, _args("michieli-synthetic", "--seeds", "1"), MNIST_NPZ)
+    every = rp.plan(recipe, _args("michieli-synthetic", "--seeds", "1", "--set",
+                                  "federation.eval_every=1"), MNIST_NPZ)
+    assert {c["federation"]["eval_every"] for _, _, c in plain} == {30}
+    assert {c["federation"]["eval_every"] for _, _, c in every} == {1}
+    assert not {rp.run_name(c) for _, _, c in plain} & {rp.run_name(c) for _, _, c in every}
 
 
 @needs_mnist
