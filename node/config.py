@@ -308,6 +308,9 @@ def _parse_override(text: str) -> tuple[str, str, Any]:
 def algorithm_params(name: str) -> dict[str, Opt]:
     from fedbus.algorithms import get_algorithm  # the registry knows each algorithm's params
 
+    if not isinstance(name, str):
+        raise ConfigError(f"algorithm.name = {name!r}: a name is a string (fedbus algorithms "
+                          "lists them)")
     try:
         server_cls = get_algorithm(name).server
     except KeyError as err:

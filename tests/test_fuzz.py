@@ -122,6 +122,30 @@ def test_regression_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path):
         load_config(tmp_path)  # a folder
 
 
+def test_regression_an_algorithm_name_that_is_no_string_is_a_config_error(tmp_path):
+    """atheris (CI, 2026-11-27): `algorithm.name=[]` reached the registry's dict lookup and
+    raised TypeError (unhashable list) out of build_config."""
+    from fedbus.node.config import ConfigError, build_config
+    for name in ([], {"a": 1}, 3):
+        with pytest.raises(ConfigError, match="a name is a string"):
+            build_config({"algorithm": {"name": name}})
+    data = b"federation.rounds=6\nalgorithm.name=[]\ntrain.lr=01=v7\n"  # the found input
+    assert fuzz.check(fuzz.TARGETS["config-set"], data, tmp_path) is False
+
+
+def test_regression_a_partition_index_beyond_int64_is_a_partition_error(tmp_path):
+    """atheris (CI, 2026-11-27): an index of 23 digits raised OverflowError in np.asarray."""
+    from fedbus.node.data.partition import PartitionError, load_partition
+    data = (b'{"num_clien":2,"clients":[{"train":[0,1,2,22222222222222222222223,4],'
+            b'"test":[8,9]}]}')
+    assert fuzz.check(fuzz.TARGETS["partition"], data, tmp_path) is False
+    path = tmp_path / "p.json"
+    path.write_text('{"num_clients": 1, "clients": [{"train": [0, %d], "test": [1]}]}'
+                    % 2**63)
+    with pytest.raises(PartitionError, match="too large to be an index"):
+        load_partition(path)
+
+
 def _log_file(tmp_path: Path, record: list) -> Path:
     from fedbus.record.msglog import MAGIC
     payload = msgpack.packb(record)

@@ -478,6 +478,8 @@ def _indices(v: Any, where: str) -> np.ndarray:
             raise PartitionError(f"{where} holds {x!r}: indices must be integers")
         if x < 0:
             raise PartitionError(f"{where} holds {x}: indices must be >= 0")
+        if x >= 2**63:  # no dataset is that large, and int64 cannot hold it
+            raise PartitionError(f"{where} holds {x}: too large to be an index")
     return np.asarray(v, dtype=np.int64)
 
 
