@@ -609,6 +609,11 @@ def _relay_counts(fed, scale):
 
 def _relay_judge(fed, facts):
     fed.pump(1.0)
+    # the nested body is the last thing sent; under load the relay may log its refusal
+    # after a second has passed, so wait for it (bounded) rather than judge too early
+    deadline = time.monotonic() + 20.0
+    while not _said_nested(fed, "relay") and time.monotonic() < deadline:
+        fed.pump(0.5)
     recs = [json.loads(x) for x in (fed.run_dir / "metrics.jsonl").read_text().splitlines()
             if x.strip() and "participants" in x]
     honest_site = all(4 in r.get("participants", []) for r in recs)
