@@ -119,20 +119,22 @@ def table(results: list[dict[str, Any]], algorithms: list[str]) -> list[str]:
     return lines
 
 
+def _by_seed(results: list[dict[str, Any]], algo: str, key: str = "miou") -> dict[int, float]:
+    """seed -> `key` of `algo`'s runs that have it."""
+    return {r["seed"]: r[key] for r in results
+            if r["algorithm"] == algo and r.get(key) is not None}
+
+
 def paired_lines(results: list[dict[str, Any]], algorithms: list[str],
                  key: str = "miou") -> list[str]:
     """Each algorithm after the first against the first, seed by seed (mean difference of
     `key` in points and its 95 % t interval)."""
     from fedbus.analysis.table import paired_difference
 
-    def by_seed(algo: str) -> dict[int, float]:
-        return {r["seed"]: r[key] for r in results
-                if r["algorithm"] == algo and r.get(key) is not None}
-
     base = algorithms[0]
     lines = []
     for algo in algorithms[1:]:
-        d = paired_difference(by_seed(algo), by_seed(base))
+        d = paired_difference(_by_seed(results, algo, key), _by_seed(results, base, key))
         name = f"{LABELS.get(algo, algo)} − {LABELS.get(base, base)}"
         if d is None:
             lines.append(f"  {name}: no seed has both")
@@ -155,9 +157,9 @@ def verdict_doc(args: argparse.Namespace, results: list[dict[str, Any]],
     seeds = sorted({r["seed"] for r in results})
     values = {}
     for algo in algorithms:
-        by_seed = {r["seed"]: r["miou"] for r in results if r["algorithm"] == algo}
+        miou = _by_seed(results, algo)
         values[f"{LABELS.get(algo, algo)}, mIoU"] = [
-            None if by_seed.get(s) is None else 100 * by_seed[s] for s in seeds]
+            100 * miou[s] if s in miou else None for s in seeds]
     base = f"{LABELS.get(algorithms[0], algorithms[0])}, mIoU"
     order = [f"{label} > {base}" for label in list(values)[1:]]
     paired = paired_verdict(order, values, seeds)[2]
