@@ -557,10 +557,11 @@ def run_all(recipe: Recipe, runs: list[tuple[Row, int, dict[str, dict[str, Any]]
     per_run: dict[tuple[str, int], float | None] = {}
     done: dict[str, list[dict[str, Any]] | None] = {}  # name -> records (rows share runs)
     failed: list[str] = []
-    for i, (row, seed, cfg) in enumerate(runs, 1):
+    distinct = len({run_name(cfg) for _, _, cfg in runs})  # the count the plan line printed
+    for row, seed, cfg in runs:
         name = run_name(cfg)
         if name not in done:
-            head = f"[{i}/{len(runs)}] {name} ({row.label}, seed {seed})"
+            head = f"[{len(done) + 1}/{distinct}] {name} ({row.label}, seed {seed})"
             try:
                 res = run_or_reuse(cfg, name, out=out, timeout=timeout)
             except (RuntimeError, TimeoutError) as e:
