@@ -24,7 +24,8 @@ Michieli & Ozay's Fig. 5 varies both the label skew (alpha in {0.01, 0.1, 1}) an
 share δ of clients doing partial work (0, 50, 80 %): `--alpha 0.1 --partial 0.5` is one of
 its cells (system.partial_work with partial_fraction δ: a partial client runs F' ~ U[0, F]
 epochs; FedAvg drops partial updates as the paper's FedAvg does, algorithm.partial =
-"drop", and proto-attention aggregates them, its toleration). Below the table, each other
+"drop", and proto-attention aggregates them, its toleration; `--tolerate` makes FedAvg
+aggregate them too, Table 3's "FedAvg + toleration"). Below the table, each other
 algorithm against the first one (FedAvg by default), seed by seed: the mean paired
 difference in mIoU and its 95 % t interval (a seed fixes the data, partition and initial
 model for every algorithm). `--json PATH` writes those verdicts in `bench reproduce
@@ -64,6 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--partial", type=float, default=0.0, metavar="DELTA",
                    help="share of tasks run as partial work, F' ~ U[0, F] epochs (Michieli & "
                         "Ozay's δ; default 0: none); FedAvg then drops partial updates")
+    p.add_argument("--tolerate", action="store_true",
+                   help="with --partial: FedAvg aggregates partial updates too (Table 3's "
+                        "'FedAvg + toleration') instead of dropping them")
     p.add_argument("--nodes", type=int, default=2, help="client-node processes (default 2)")
     p.add_argument("--out", default=None,
                    help="folder for the run directories (kept; default a temporary folder)")
@@ -89,13 +93,15 @@ def sections(args: argparse.Namespace, algorithm: str, seed: int) -> dict[str, d
     }
     if args.partial > 0:
         cfg["system"] = {"partial_work": True, "partial_fraction": args.partial}
-        if algorithm == "fedavg":  # the paper's FedAvg drops partial work
+        if algorithm == "fedavg" and not args.tolerate:  # the paper's FedAvg drops them
             cfg["algorithm"]["partial"] = "drop"
     return cfg
 
 
 def run_name(args: argparse.Namespace, algorithm: str, seed: int) -> str:
     partial = f"-d{args.partial:g}" if args.partial > 0 else ""
+    if partial and args.tolerate and algorithm == "fedavg":
+        partial += "-tolerate"
     return (f"seg-{algorithm}-{args.arch.replace(':', '_')}-c{args.clients}-a{args.alpha:g}"
             f"-n{args.images}-s{args.image_size}-r{args.rounds}-e{args.epochs}{partial}"
             f"-seed{seed}")
@@ -164,6 +170,8 @@ def verdict_doc(args: argparse.Namespace, results: list[dict[str, Any]],
     order = [f"{label} > {base}" for label in list(values)[1:]]
     paired = paired_verdict(order, values, seeds)[2]
     settings = [f"alpha {args.alpha:g}", f"δ = {100 * args.partial:g} %"]
+    if args.tolerate and args.partial > 0:
+        settings.append("FedAvg tolerating partial work")
     if args.rounds != 20:
         settings.append(f"{args.rounds} rounds")
     if args.arch != "deeplab":
@@ -188,6 +196,10 @@ def main_args(args: argparse.Namespace) -> int:
     if not 0.0 <= args.partial <= 1.0:
         print(f"fedbus bench segmentation: --partial is a share in [0, 1], not {args.partial:g}",
               file=sys.stderr)
+        return 2
+    if args.tolerate and args.partial == 0:
+        print("fedbus bench segmentation: --tolerate needs --partial (with no partial work "
+              "there is nothing to tolerate)", file=sys.stderr)
         return 2
     out = out_dir(args.out, "segmentation")
     seeds = list(range(args.seeds))

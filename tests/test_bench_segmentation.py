@@ -67,3 +67,19 @@ def test_without_partial_work_the_configs_and_names_are_unchanged_and_bad_shares
     assert segmentation.sections(args, "proto-attention", 0)["system"] == {
         "partial_work": True, "partial_fraction": 0.5}
     assert segmentation.main_args(_args("--partial", "1.5")) == 2
+
+
+def test_tolerate_makes_fedavg_keep_partial_updates_under_its_own_run_name():
+    drop, tol = _args("--partial", "0.8"), _args("--partial", "0.8", "--tolerate")
+    assert segmentation.sections(tol, "fedavg", 1)["algorithm"] == {"name": "fedavg"}
+    assert segmentation.sections(tol, "fedavg", 1)["system"] == \
+        segmentation.sections(drop, "fedavg", 1)["system"]
+    assert segmentation.run_name(tol, "fedavg", 1) != segmentation.run_name(drop, "fedavg", 1)
+    # proto-attention tolerates by design: its runs are shared by both invocations
+    assert segmentation.run_name(tol, "proto-attention", 1) == \
+        segmentation.run_name(drop, "proto-attention", 1)
+    assert segmentation.sections(tol, "proto-attention", 1) == \
+        segmentation.sections(drop, "proto-attention", 1)
+    doc = segmentation.verdict_doc(tol, [], ["fedavg", "proto-attention"])
+    assert "FedAvg tolerating partial work" in doc["overrides"]
+    assert segmentation.main_args(_args("--tolerate")) == 2
