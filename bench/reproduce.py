@@ -587,9 +587,13 @@ def _variant(doc: Mapping[str, Any]) -> str:
     if recipe is not None:
         written = {row.label: sections(recipe, row, 0)["federation"]["rounds"]
                    for row in recipe.rows if not row.mean_of}
-        notes += [f"{row['label']}: {row['rounds']} rounds" for row in doc.get("rows", [])
-                  if (row.get("ours") or {}).get("n") and row.get("rounds") is not None
-                  and row["label"] in written and row["rounds"] != written[row["label"]]]
+        judged = [row for row in doc.get("rows", []) if (row.get("ours") or {}).get("n")
+                  and row.get("rounds") is not None and row["label"] in written]
+        moved = [row for row in judged if row["rounds"] != written[row["label"]]]
+        if moved and len(moved) == len(judged) and len({r["rounds"] for r in moved}) == 1:
+            notes.append(f"{moved[0]['rounds']} rounds")  # every row at one other count
+        else:
+            notes += [f"{row['label']}: {row['rounds']} rounds" for row in moved]
     return ", ".join(notes)
 
 

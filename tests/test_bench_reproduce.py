@@ -435,8 +435,12 @@ def test_verdicts_table_gathers_every_pair_from_the_json_tables(tmp_path, capsys
     assert table[-1].endswith("`tan-table1` (train.lr=0.5)")
     # a row run at other rounds than the recipe's (--rounds) is a variant too
     recipe = rp.RECIPES["tan-table1"]
-    ran = [{"label": r.label, "rounds": 99, "ours": {"n": 3}} for r in recipe.rows[:1]]
-    assert rp._variant({"recipe": "tan-table1", "rows": ran}) == \
+    ran = [{"label": r.label, "rounds": 99, "ours": {"n": 3}} for r in recipe.rows[:2]]
+    assert rp._variant({"recipe": "tan-table1", "rows": ran}) == "99 rounds"
+    # rows at different counts, or beside rows at the recipe's, are named one by one
+    written = rp.sections(recipe, recipe.rows[1], 0)["federation"]["rounds"]
+    mixed = [ran[0], {**ran[1], "rounds": written}]
+    assert rp._variant({"recipe": "tan-table1", "rows": mixed}) == \
         f"{recipe.rows[0].label}: 99 rounds"
     assert rp._variant({"recipe": "tan-table1", "rows": [{**ran[0], "ours": {"n": 0}}]}) == ""
     # no tables, or a file that is no table: a clear error
