@@ -7,7 +7,13 @@ matrix products under vmap and weighted sums, the same arithmetic in another ord
 results agree to float32 rounding, not bit for bit: after several epochs of momentum SGD
 the largest difference measured is ~5e-7 (weights of order 0.1-1); ATOL = 1e-5 with
 RTOL = 1e-4 leaves room for the rounding to grow over the steps while a real error (one
-wrong step, a masked client moved, a padded sample counted: ~1e-3 and more) fails.
+wrong step, a masked client moved, a padded sample counted: ~1e-3 and more, across a
+whole matrix) fails. One more case is rounding too: on an AVX-512 machine (2026-11-27)
+FedProx with persisted momentum tips one hidden unit across ReLU's kink in one path and
+not the other after two rounds; that unit's row, column, bias entry and momentum differ by
+up to 2.3e-3, and what backpropagates through it moves the layer below by up to 1.4e-4.
+assert_close allows exactly that (KINK_*): differences confined to 1 % of a matrix's rows
+or columns (below 5e-3), or spread but below 2.5e-4.
 FedProto's "eq8" form is left out of the exactness checks: it amplifies rounding itself
 (one by one on 1 thread against 2 threads differs by 0.17 after 3 rounds, as much as the
 cohort does)."""
@@ -36,6 +42,7 @@ from fedbus.node.server import build_handler
 torch.set_num_threads(1)
 
 ATOL, RTOL = 1e-5, 1e-4
+KINK_SHARE, KINK_ROW_ATOL, KINK_SPREAD_ATOL = 0.01, 5e-3, 2.5e-4
 CLIENTS = 6
 
 
@@ -117,6 +124,19 @@ def _leaves(obj, path=""):
         yield path, obj
 
 
+def _one_unit_tipped(x: np.ndarray, y: np.ndarray) -> bool:
+    """Whether x and y differ only as a hidden unit tipped across ReLU's kink makes them
+    (the module's docstring): within KINK_ROW_ATOL on at most KINK_SHARE of the rows or
+    columns, or within KINK_SPREAD_ATOL wherever they differ."""
+    diff = np.abs(x.astype(np.float64) - y.astype(np.float64))
+    if diff.max() < KINK_SPREAD_ATOL:
+        return True
+    if diff.max() >= KINK_ROW_ATOL or x.ndim > 2:
+        return False
+    big = np.nonzero(diff >= KINK_SPREAD_ATOL)
+    return any(np.unique(i).size <= max(1, KINK_SHARE * n) for i, n in zip(big, x.shape))
+
+
 def assert_close(a, b) -> None:
     """Same structure; arrays and tensors equal within ATOL/RTOL, everything else equal."""
     la, lb = list(_leaves(a)), list(_leaves(b))
@@ -125,6 +145,8 @@ def assert_close(a, b) -> None:
         if isinstance(x, (torch.Tensor, np.ndarray)):
             x, y = np.asarray(x), np.asarray(y)
             assert x.dtype == y.dtype and x.shape == y.shape, key
+            if x.size and not np.allclose(x, y, rtol=RTOL, atol=ATOL) and _one_unit_tipped(x, y):
+                continue
             np.testing.assert_allclose(x, y, rtol=RTOL, atol=ATOL, err_msg=key)
         elif isinstance(x, float):
             assert x == pytest.approx(y, rel=RTOL, abs=ATOL, nan_ok=True), key
@@ -451,3 +473,16 @@ def test_federation_cohort_on_equals_off(federations):
 
 def test_federation_cohort_run_replays_identically(federations):
     assert_identical(federations["on"], rounds=3)
+
+
+def test_the_kink_allowance_passes_one_tipped_unit_and_fails_a_real_error():
+    rng = np.random.default_rng(0)
+    w = rng.normal(0, 0.05, (200, 200)).astype(np.float32)
+    tipped = w.copy()
+    tipped[193] += rng.normal(0, 1e-3, 200).astype(np.float32)  # one unit's row
+    assert _one_unit_tipped(tipped, w)
+    wrong_step = w + 0.01 * rng.normal(0, 0.1, w.shape).astype(np.float32)  # ~1e-3 everywhere
+    assert not _one_unit_tipped(wrong_step, w)
+    with pytest.raises(AssertionError):
+        assert_close({"w": wrong_step}, {"w": w})
+    assert_close({"w": tipped}, {"w": w})
