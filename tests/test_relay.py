@@ -119,9 +119,9 @@ def test_a_relay_closes_its_round_at_its_deadline_and_a_late_update_is_folded(tm
     server's, and forwards c2's update when it comes; the server, whose round closed at its
     deadline without c2, folds it into the next aggregation with weight 1/sqrt(2)."""
     # c2's update leaves ~400 x its training time (10-50 ms, the fast CPUs' to the slow
-    # ones') after its task: seconds after both deadlines, well before the eighth round
+    # ones') after its task: seconds after both deadlines, well before the twelfth round
     # ends (at 200x a fast CPU's update beat the relay's 2.7 s deadline)
-    sections = merged(EQUIV, federation={"rounds": 8, "deadline_s": 3.0, "min_updates": 1,
+    sections = merged(EQUIV, federation={"rounds": 12, "deadline_s": 3.0, "min_updates": 1,
                                          "late": "fold", "hard_deadline_s": 60.0},
                       algorithm={"name": "fedproto"},
                       system={"slow_clients": [2], "slow_factor": 400.0})
