@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -89,7 +90,7 @@ def dataset_problem(dataset: str, err: Exception) -> str:
     """One line: the run's data set does not load here, and where a relative path was
     looked for (the directory `fedbus run` was started in may be another)."""
     line = f"data.dataset = {dataset!r} cannot be loaded: {' '.join(str(err).split())}"
-    if dataset.startswith("npz:") and not Path(dataset[4:]).expanduser().is_absolute():
+    if dataset.startswith("npz:") and not Path(os.path.expanduser(dataset[4:])).is_absolute():
         line += (f"; a relative path is looked up from the current directory ({Path.cwd()}): "
                  "replay from the directory the run was started in")
     return line

@@ -144,7 +144,8 @@ def training_sources(option: str | None) -> list[str]:
 # --- pre-training -----------------------------------------------------------------------------
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("FEDBUS_BACKBONE_DIR") or "~/.cache/fedbus/backbones").expanduser()
+    folder = os.environ.get("FEDBUS_BACKBONE_DIR") or "~/.cache/fedbus/backbones"
+    return Path(os.path.expanduser(folder))
 
 
 def _file_sha256(path: Path) -> str:
@@ -159,7 +160,7 @@ def recipe_for(arch: str, source: str, in_shape: tuple[int, ...], **changes: Any
     """The Recipe of ARCH@SOURCE for samples of `in_shape` (recipe defaults unless changed)."""
     if source == "digits":
         return Recipe(arch, "digits", tuple(int(v) for v in in_shape), **changes)
-    path = Path(source).expanduser().resolve()
+    path = Path(os.path.expanduser(source)).resolve()
     if not path.is_file():
         raise BackboneError(f"backbone source {source}: no such file (an npz with x and y)")
     return Recipe(arch, str(path), tuple(int(v) for v in in_shape), _file_sha256(path),
@@ -289,7 +290,7 @@ def load_backbone(path: str | os.PathLike, in_shape: tuple[int, ...] | None = No
     missing, not a backbone file, or made for other samples than `in_shape`."""
     from .registry import build_model
 
-    path = Path(path).expanduser()
+    path = Path(os.path.expanduser(path))
     if not path.is_file():
         raise BackboneError(f"backbone file {path} not found (write one with "
                             f"`python -m fedbus.models.frozen`, or give ARCH@SOURCE)")
@@ -324,7 +325,7 @@ _SHARED: dict[tuple, ProtoNet] = {}
 
 def _backbone(arch: str, source: str, in_shape: tuple[int, ...]) -> ProtoNet:
     if not arch:  # a file
-        p = Path(source).expanduser().resolve()
+        p = Path(os.path.expanduser(source)).resolve()
         stamp = (p.stat().st_mtime_ns, p.stat().st_size) if p.is_file() else None
         key = ("", str(p), in_shape, stamp)
         if key not in _SHARED:

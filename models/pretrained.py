@@ -38,7 +38,7 @@ class PretrainedUnavailable(RuntimeError):
 def weight_dirs() -> list[Path]:
     dirs = []
     if os.environ.get("FEDBUS_WEIGHTS_DIR"):
-        dirs.append(Path(os.environ["FEDBUS_WEIGHTS_DIR"]).expanduser())
+        dirs.append(Path(os.path.expanduser(os.environ["FEDBUS_WEIGHTS_DIR"])))
     dirs.append(Path(torch.hub.get_dir()) / "checkpoints")
     return dirs
 

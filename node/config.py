@@ -449,9 +449,9 @@ def paths_from(raw: dict[str, Any], folder: Path) -> dict[str, Any]:
         if prefix == "" and "" not in prefixes:
             continue
         rest = value[len(prefix):]
-        if not rest or Path(rest).expanduser().is_absolute():
+        if not rest or Path(os.path.expanduser(rest)).is_absolute():
             continue
-        candidate = folder / Path(rest).expanduser()
+        candidate = folder / Path(os.path.expanduser(rest))
         if candidate.exists():
             table[key] = prefix + os.path.normpath(candidate)
     return out

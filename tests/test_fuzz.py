@@ -122,6 +122,21 @@ def test_regression_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path):
         load_config(tmp_path)  # a folder
 
 
+def test_regression_a_path_of_tilde_and_no_such_user_is_read_as_a_plain_path(tmp_path):
+    """atheris (CI, 2026-11-27): `dataset = "npz:~.npz"` made Path.expanduser look up a
+    user named ".npz" and raise RuntimeError out of load_config. os.path.expanduser leaves
+    such a path as it is; loading it is then an ordinary not-found."""
+    from fedbus.node.config import load_config
+    from fedbus.node.data.datasets import DatasetUnavailable, load_dataset
+    data = b'[federation]\nclients = 3\n[data]\ndataset = "npz:~.npz"\n'  # the found input
+    assert fuzz.check(fuzz.TARGETS["config-toml"], data, tmp_path) is True
+    path = tmp_path / "c.toml"
+    path.write_bytes(data.replace(b"~.npz", b"~no-such-user-fedbus/x.npz"))
+    assert load_config(path).data.dataset == "npz:~no-such-user-fedbus/x.npz"
+    with pytest.raises(DatasetUnavailable, match="not found"):
+        load_dataset("npz:~no-such-user-fedbus/x.npz")
+
+
 def test_regression_an_algorithm_name_that_is_no_string_is_a_config_error(tmp_path):
     """atheris (CI, 2026-11-27): `algorithm.name=[]` reached the registry's dict lookup and
     raised TypeError (unhashable list) out of build_config."""

@@ -134,7 +134,7 @@ class Dataset:
 
 def data_dir_path(data_dir: str | os.PathLike | None) -> Path:
     """The download/cache folder: data_dir, or ~/.cache/fedbus when None or empty."""
-    return Path(data_dir or DEFAULT_DATA_DIR).expanduser()
+    return Path(os.path.expanduser(data_dir or DEFAULT_DATA_DIR))
 
 
 def _standardise(x: np.ndarray, axes: tuple[int, ...]) -> tuple[np.ndarray, list, list]:
@@ -183,7 +183,7 @@ def _load_digits() -> Dataset:
 
 # ------------------------------------------------------------------------------------- npz
 def _resolve_npz(path: str, data_dir: str | None) -> Path:
-    p = Path(path).expanduser()
+    p = Path(os.path.expanduser(path))
     candidates = [p] if p.is_absolute() else [p, data_dir_path(data_dir) / p]
     for c in candidates:
         if c.is_file():

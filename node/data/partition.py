@@ -491,7 +491,7 @@ def load_partition(path: str | os.PathLike, dataset_size: int | None = None) -> 
     a client's train or test, train/test disjoint per client, and no index given to two
     clients. Errors are PartitionError (a ValueError) naming the client and the problem.
     """
-    path = Path(path).expanduser()
+    path = Path(os.path.expanduser(path))
     try:
         doc = json.loads(path.read_text())
     except FileNotFoundError:
