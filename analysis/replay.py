@@ -225,6 +225,7 @@ def replay_server(run_dir: str | Path, *, until_round: int | None = None) -> Rep
             engine.noise_seed = seed
             engine.load_state_dict(decode_body(rec.frames[1],
                                                max_frame=max(len(rec.frames[1]), 1)))
+            pending = engine.on_resumed(rec.time)
         pending = [o for o in pending if o.kind != "error"]  # answers: never logged
         engine.records.clear()
         engine.events.clear()

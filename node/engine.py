@@ -1290,6 +1290,8 @@ class Engine:
                  "totals": dict(self.totals), "handler": self.handler.state_dict()}
         if self.ledger is not None:
             state["dp"] = self.ledger.state_dict()
+        if self.stopped:  # ended before its rounds: a resume must see that it ended
+            state["stopped"] = {"reason": self.stopped, "rounds": self.rounds}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -1301,6 +1303,20 @@ class Engine:
         self.handler.load_state_dict(state["handler"])
         if self.ledger is not None and "dp" in state:
             self.ledger.load_state_dict(state["dp"])
+        stopped = state.get("stopped")
+        if isinstance(stopped, dict):
+            self.stopped = str(stopped.get("reason", ""))
+            self.rounds = int(stopped.get("rounds", self.rounds))
+
+    def on_resumed(self, now: float) -> list[Out]:
+        """After load_state_dict. A checkpoint of the last version is a finished run whose
+        server died before it exited: its shutdown went out before that checkpoint, but
+        may have been lost with a broker that was down, and a node that missed it still
+        waits. The run ends again here and the shutdown goes out again; without this, the
+        resumed server waits forever for rounds there are none of."""
+        if self.version >= self.rounds and not self.evals:
+            return self._finish(now)
+        return []
 
 
 def _tree_add(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:

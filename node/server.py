@@ -434,6 +434,8 @@ class ServerNode:
                 print(f"fedbus server: {err}", file=sys.stderr)
                 return 2
         self._describe_models()
+        # (a resumed run that had already ended only says so again: see Engine.on_resumed)
+        outs = self.engine.on_resumed(time.time()) if self.resume else []
         peer = Peer(self.broker, self.curve.name if self.curve else SERVER, role="server",
                     run=self.run_id, heartbeat_s=cfg.bus.heartbeat_s, liveness=cfg.bus.liveness,
                     max_frame=cfg.bus.max_frame_mb << 20, curve=self.curve)
@@ -442,6 +444,8 @@ class ServerNode:
                  mode=cfg.federation.mode, clients=cfg.federation.clients,
                  rounds=cfg.federation.rounds)
         engine = self.engine
+        self._send(peer, outs)
+        self._record(engine.version)
         # A deadline that passed and was ticked with nothing received since: a round past
         # its deadline still short of min_updates (the broker down, say), or a start
         # timeout with too few clients, stays the next deadline until a message comes, and

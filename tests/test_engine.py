@@ -240,6 +240,38 @@ def test_the_run_shuts_down_after_the_last_rounds_evaluation():
     assert engine.on_tick(100.0) == [] and engine.next_deadline() is None
 
 
+def test_a_resume_from_the_last_versions_checkpoint_ends_the_run_again():
+    """A server killed after its final checkpoint (and its shutdown, which a broker that was
+    down may have lost) is resumed from a finished run: it must shut down again, not wait
+    for a round there is none of (chaos storm, CI 2026-11-27: the resumed server hung)."""
+    engine, tasks = started(2, rounds=2, eval_every=100)
+    tasks = answer(engine, tasks, 1.0)
+    mid = engine.state_dict()
+    eval_results(engine, answer(engine, tasks, 2.0), 3.0)
+    final = engine.state_dict()
+
+    resumed = make(2, rounds=2, eval_every=100)
+    resumed.load_state_dict(final)
+    assert resumed.on_resumed(9.0) == [Out("shutdown", "*", 2, {"reason": "run complete"})]
+    assert resumed.done and resumed.on_resumed(9.5) == []  # once
+
+    unfinished = make(2, rounds=2, eval_every=100)
+    unfinished.load_state_dict(mid)
+    assert unfinished.on_resumed(9.0) == [] and not unfinished.done
+    assert of(connect(unfinished, "n", range(2), 9.0))  # the missing round runs
+
+
+def test_a_run_stopped_before_its_rounds_is_still_stopped_after_a_resume():
+    engine = make(2, rounds=5)
+    engine.rounds, engine.stopped = 1, "privacy budget"  # as Engine._budget_spent leaves it
+    engine.version = 1
+    resumed = make(2, rounds=5)
+    resumed.load_state_dict(engine.state_dict())
+    assert (resumed.rounds, resumed.stopped) == (1, "privacy budget")
+    assert of(resumed.on_resumed(0.0), "shutdown") and resumed.done
+    assert "stopped" not in make(2).state_dict()  # (a run that ran its rounds: as before)
+
+
 # --- deadlines and late updates ---------------------------------------------------------
 
 

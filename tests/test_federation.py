@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 import pytest
-from helpers import (SMALL, Processes, free_port, merged, metrics, run_federation,
+from helpers import (SMALL, Processes, fedbus, free_port, merged, metrics, run_federation,
                      wait_until, write_config)
 
 from fedbus.node.server import read_checkpoint
@@ -183,6 +183,40 @@ def test_server_killed_and_resumed_finishes_every_round(tmp_path):
         assert summary["rounds_completed"] == 6
         rounds = [r["round"] for r in metrics(run)]
         assert rounds[-1] == 5 and set(range(6)) <= set(rounds)
+    finally:
+        procs.close()
+
+
+def test_a_server_killed_after_its_last_checkpoint_resumes_to_a_clean_end(tmp_path):
+    """The chaos storm's hang (CI, 2026-11-27): a server killed after the final round's
+    checkpoint but before it exited (no summary.json yet), resumed, waited forever for
+    rounds there were none of. It now finishes at once, writing the summary, and sends the
+    shutdown again: a node that missed the first (the broker was down) leaves; the message
+    log, with the resume, replays identically."""
+    sections = merged(SMALL, federation={"rounds": 2})
+    broker, cfg, run, procs = _manual_federation(tmp_path, sections)
+    try:
+        procs.start("server", "server", "--broker", broker, str(cfg), "--out", str(run))
+        procs.start("node-0", "node", "--broker", broker, "--clients", "0-5", "--name", "n0")
+        wait_until(lambda: procs.procs["server"].poll() is not None, 240, "the run")
+        assert procs.procs["server"].returncode == 0, procs.log("server")
+        wait_until(lambda: procs.procs["node-0"].poll() is not None, 60, "node-0 leaving")
+        first = json.loads((run / "summary.json").read_text())
+        (run / "summary.json").unlink()  # what a kill before ServerNode._finish leaves
+
+        procs.start("node-1", "node", "--broker", broker, "--clients", "0-5", "--name", "n1")
+        wait_until(lambda: "registered" in procs.log("node-1"), 60, "node-1 registered")
+        procs.start("server2", "server", "--broker", broker, "--resume", str(run))
+        wait_until(lambda: procs.procs["server2"].poll() is not None, 60, "the resumed server")
+        assert procs.procs["server2"].returncode == 0, procs.log("server2")
+        again = json.loads((run / "summary.json").read_text())
+        assert again["rounds_completed"] == first["rounds_completed"] == 2
+        assert again["final"] == first["final"]
+        assert [r["round"] for r in metrics(run)] == [0, 1]  # no round ran twice
+        wait_until(lambda: procs.procs["node-1"].poll() is not None, 60,
+                   "node-1 leaving on the resent shutdown")
+        out = fedbus("replay", str(run))
+        assert "replay identical" in out.stdout, out.stdout + out.stderr
     finally:
         procs.close()
 
