@@ -702,7 +702,8 @@ def read_history(run: Path) -> tuple[list[dict], list[Violation]]:
             engine.load_state_dict(state)
             pending = engine.on_resumed(rec.time)
         pending = [o for o in pending if o.kind != "error"]
-        due = (bool(engine.records) or (engine.async_mode and engine.version != version)) \
+        due = (bool(engine.records) or engine.done or
+               (engine.async_mode and engine.version != version)) \
             and not (engine.async_mode and engine.evals)  # as ServerNode._record
         engine.records.clear()
         engine.events.clear()

@@ -476,8 +476,12 @@ class ServerNode:
                     ticked = None if outs else deadline
                 else:
                     outs = []
-                self._send(peer, outs)
+                # The shutdown leaves after the last checkpoint is on disk: a server killed
+                # between the two resumes to a clean end (Engine.on_resumed), while nodes
+                # that took the shutdown first would be gone for the round it reran.
+                self._send(peer, [o for o in outs if o.kind != "shutdown"])
                 self._record(version)
+                self._send(peer, [o for o in outs if o.kind == "shutdown"])
         except KeyboardInterrupt:
             log.warning("server interrupted")
             return 130
@@ -549,7 +553,10 @@ class ServerNode:
         # a resumed run then never lacks the metrics of a round it counts as done. An async
         # evaluation's record comes when it ends, after later aggregations: no checkpoint
         # while one is outstanding, or a resume would count its version done unrecorded.
-        if drained or (engine.async_mode and engine.version != version_before):
+        # (and once the run is done: a run a privacy budget stopped between records must
+        # resume stopped)
+        if drained or engine.done or \
+                (engine.async_mode and engine.version != version_before):
             if not (engine.async_mode and engine.evals):
                 self._checkpoint()
             if self.msglog is not None:

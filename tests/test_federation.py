@@ -221,6 +221,35 @@ def test_a_server_killed_after_its_last_checkpoint_resumes_to_a_clean_end(tmp_pa
         procs.close()
 
 
+def test_the_last_checkpoint_is_on_disk_before_the_shutdown_leaves(tmp_path, monkeypatch):
+    """A server killed after its shutdown went out but before its last checkpoint would
+    resume to rerun a round whose nodes had left. The server (in this process, on a real
+    broker with a real node) sends the shutdown only once the final checkpoint is written:
+    its Peer, watched, finds the checkpoint at the last version at that moment."""
+    from fedbus.node import server as server_mod
+    from fedbus.node.config import load_config
+
+    sections = merged(SMALL, federation={"rounds": 2})
+    broker, cfg, run, procs = _manual_federation(tmp_path, sections)
+    versions_at_shutdown = []
+
+    class WatchedPeer(server_mod.Peer):
+        def send(self, kind, *args, **kw):
+            if kind == "shutdown":
+                versions_at_shutdown.append(
+                    read_checkpoint(run / "checkpoint.fbk")[1]["version"])
+            return super().send(kind, *args, **kw)
+
+    monkeypatch.setattr(server_mod, "Peer", WatchedPeer)
+    try:
+        procs.start("node-0", "node", "--broker", broker, "--clients", "0-5", "--name", "n0")
+        assert server_mod.ServerNode(load_config(cfg), run, broker).serve() == 0
+        assert versions_at_shutdown == [2]
+        wait_until(lambda: procs.procs["node-0"].poll() is not None, 60, "node-0 leaving")
+    finally:
+        procs.close()
+
+
 def test_bad_config_fails_fast_with_the_key_named(tmp_path):
     from helpers import fedbus
 
