@@ -628,8 +628,11 @@ def read_history(run: Path) -> tuple[list[dict], list[Violation]]:
     due = False  # the live server checkpoints once this input's outputs are sent
 
     def checkpoint(i: int) -> None:
+        # an async update still in the buffer is not in the checkpointed state: a resume
+        # from it has lost that update, and its client may send it again
+        buffered = [[m.client, m.version] for u in engine.buffer for m in (u.members or (u,))]
         history.append({"op": "checkpoint", "i": i, "version": engine.version,
-                        "digest": state_digest(engine.state_dict())})
+                        "digest": state_digest(engine.state_dict()), "buffered": buffered})
 
     for rec in read_log(run):
         if rec.direction == "out":
@@ -718,8 +721,9 @@ def read_history(run: Path) -> tuple[list[dict], list[Violation]]:
 
 def check_once(history: list[dict]) -> list[Violation]:
     """Each client's update for a (round, version) is taken at most once. A resume rolls
-    back to the checkpoint it loaded: what was taken after that checkpoint was lost with the
-    killed server, and may be taken again, once."""
+    back to the checkpoint it loaded: what was taken after that checkpoint, and what an
+    async buffer held unaggregated at it, was lost with the killed server, and may be
+    taken again, once."""
     taken: dict[tuple, int] = {}
     saved: dict[str, dict[tuple, int]] = {}
     out = []
@@ -734,7 +738,8 @@ def check_once(history: list[dict]) -> list[Violation]:
             else:
                 taken[key] = ev["i"]
         elif op == "checkpoint":
-            saved[ev["digest"]] = dict(taken)
+            lost = {tuple(b) for b in ev.get("buffered", ())}  # (client, version)
+            saved[ev["digest"]] = {k: v for k, v in taken.items() if (k[0], k[2]) not in lost}
         elif op == "resume":
             # (a resume from no checkpoint the replay reached is the replay invariant's)
             taken = dict(saved.get(ev["digest"], {k: v for k, v in taken.items()
