@@ -24,8 +24,12 @@ TIMING = {"time", "round_s", "eval_s", "wall_s"}
 
 
 def _config(tmp_path, algorithm: str):
+    # client 3 is slowed 20x (a sleep: the mathematics is unchanged), so a round stays
+    # open for a while after the fast clients finish and a kill aimed at that moment lands
+    # inside it; on a fast CPU the whole round could otherwise end before the kill does
     sections = merged(SMALL, federation={"rounds": ROUNDS, "clients": 4},
-                      algorithm={"name": algorithm})
+                      algorithm={"name": algorithm},
+                      system={"slow_clients": [3], "slow_factor": 20.0})
     return write_config(tmp_path / f"{algorithm}.toml", sections)
 
 
