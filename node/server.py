@@ -444,8 +444,7 @@ class ServerNode:
                  mode=cfg.federation.mode, clients=cfg.federation.clients,
                  rounds=cfg.federation.rounds)
         engine = self.engine
-        self._send(peer, outs)
-        self._record(engine.version)
+        self._emit(peer, outs, engine.version)
         # A deadline that passed and was ticked with nothing received since: a round past
         # its deadline still short of min_updates (the broker down, say), or a start
         # timeout with too few clients, stays the next deadline until a message comes, and
@@ -476,12 +475,7 @@ class ServerNode:
                     ticked = None if outs else deadline
                 else:
                     outs = []
-                # The shutdown leaves after the last checkpoint is on disk: a server killed
-                # between the two resumes to a clean end (Engine.on_resumed), while nodes
-                # that took the shutdown first would be gone for the round it reran.
-                self._send(peer, [o for o in outs if o.kind != "shutdown"])
-                self._record(version)
-                self._send(peer, [o for o in outs if o.kind == "shutdown"])
+                self._emit(peer, outs, version)
         except KeyboardInterrupt:
             log.warning("server interrupted")
             return 130
@@ -529,6 +523,15 @@ class ServerNode:
                 self._log("out", time.time(), msg.frames, _header(msg))
             if out.kind in ("task", "eval", "secagg"):
                 self.engine.note_sent(out, msg.nbytes, count_params(out.body.get("payload")))
+
+    def _emit(self, peer: Peer, outs: list[Out], version_before: int) -> None:
+        """An input's outputs sent and what it changed recorded. The shutdown leaves after
+        the last checkpoint is on disk: a server killed between the two resumes to a clean
+        end (Engine.on_resumed), while nodes that took the shutdown first would be gone
+        for the round it reran."""
+        self._send(peer, [o for o in outs if o.kind != "shutdown"])
+        self._record(version_before)
+        self._send(peer, [o for o in outs if o.kind == "shutdown"])
 
     def _record(self, version_before: int) -> None:
         engine = self.engine
