@@ -70,6 +70,7 @@ class ClientNode:
         self.msglog: MessageLogWriter | None = None
         self.peer: Peer | None = None
         self.deferred: list = []  # heap of (due, order, task message, update body)
+        self.held: list = []  # system.hold_clients: (round, task message, update body)
         self._order = itertools.count()
         self.secure = None  # fedbus.node.privacy.secure_round.SecureClient under secure aggregation
         # train.cohort: messages received while gathering a round's tasks, handled next; the
@@ -160,7 +161,20 @@ class ClientNode:
         msg = self.peer.recv(timeout=timeout)
         if msg is not None and self.msglog is not None:
             self.msglog.write("in", time.time(), msg.frames)
+        if msg is not None and self.held and msg.kind in ("task", "eval"):
+            self._release_held(msg.round)
         return msg
+
+    def _release_held(self, round_: int) -> None:
+        """system.hold_clients: a message of a later round has arrived, so the updates held
+        from earlier rounds leave now, before that message is handled: late by the order of
+        events, whatever the machine's speed."""
+        due = [h for h in self.held if h[0] < round_]
+        self.held = [h for h in self.held if h[0] >= round_]
+        for rnd, msg, update in due:
+            log.info("held update released", client=client_index(msg.dst), round=rnd,
+                     by_round=round_)
+            self._send_update(msg, update)
 
     def _cohort_may(self, msg: Message) -> bool:
         """Whether a task is worth gathering others with: train.cohort is not off and its
@@ -307,7 +321,12 @@ class ClientNode:
             log.warning("update not finite: the client's model diverged", client=client,
                         task=body["task"], arrays=bad,
                         hint="lower train.lr or the algorithm's regulariser weight (lam)")
-        if due > time.monotonic():
+        if client in self.cfg.system.get("hold_clients", ()):
+            # a straggler by events: it leaves when the next round's first message comes
+            # (_release_held); copied now, as with a deferred update
+            self.held.append((msg.round, msg, copy.deepcopy(update)))
+            log.info("update held", client=client, round=msg.round)
+        elif due > time.monotonic():
             # a simulated slow device: its answer leaves when that device would be done,
             # while this node serves its other clients; its arrays are copied now, as the
             # client's network may serve another client before then

@@ -9,18 +9,25 @@ parameters the chosen algorithm declares (see fedbus.algorithms).
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import math
 import os
 import tomllib
+import warnings
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from fedbus.algorithms.core.params import Opt  # declared with the algorithms; the name stays here
 
 
 class ConfigError(ValueError):
     """A config that cannot be used; the message names the key."""
+
+
+class ConfigWarning(UserWarning):
+    """A config that runs but holds something the user likely did not mean (a key that the
+    chosen partition ignores); the launcher prints each as one line."""
 
 
 SCHEMA: dict[str, dict[str, Opt]] = {
@@ -42,6 +49,11 @@ SCHEMA: dict[str, dict[str, Opt]] = {
                                "min_updates updates", min=0.0),
         "mode": Opt("sync", "sync rounds or async buffered aggregation", ("sync", "async")),
         "late": Opt("drop", "what happens to an update that misses its round", ("drop", "fold")),
+        "quorum": Opt(0, "sync: a round closes as soon as this many of its sampled clients "
+                      "have sent their update, the rest marked late (dropped or folded, per "
+                      "late); closing on that event, not a clock, makes who is late the same "
+                      "on every machine; 0 = every sampled client (or the deadline); not "
+                      "under secure aggregation", min=0),
         "concurrency": Opt(0, "async: clients kept busy at once (0 = all)", min=0),
         "buffer": Opt(0, "async: aggregate every this many updates (0 = concurrency)", min=0),
         "max_staleness": Opt(20, "updates staler than this are dropped", min=0),
@@ -69,7 +81,8 @@ SCHEMA: dict[str, dict[str, Opt]] = {
         "alpha": Opt(0.5, "dirichlet and domains-dirichlet concentration", min=0.0),
         "min_samples": Opt(10, "dirichlet, domains-dirichlet, powerlaw, "
                            "pathological-powerlaw: fewest samples per client", min=0),
-        "classes_per_client": Opt(2, "pathological(-powerlaw): classes per client", min=1),
+        "classes_per_client": Opt(2, "pathological, pathological-powerlaw: classes per "
+                                  "client", min=1),
         "powerlaw_sigma": Opt(2.0, "powerlaw, pathological-powerlaw: lognormal sigma of "
                                "client sizes", min=0.0),
         "synthetic_alpha": Opt(0.5, "FedProx synthetic: model heterogeneity", min=0.0),
@@ -121,6 +134,11 @@ SCHEMA: dict[str, dict[str, Opt]] = {
         "slow_fraction": Opt(0.0, "fraction of clients that are slow", min=0.0, max=1.0),
         "slow_clients": Opt([], "client ids that are slow, besides slow_fraction"),
         "slow_factor": Opt(1.0, "slow clients take this many times longer", min=1.0),
+        "hold_clients": Opt([], "client ids whose node holds each update until its next "
+                            "message of a later round (a task or eval) arrives: a straggler "
+                            "late by events, not seconds, whatever the machine's speed; with "
+                            "federation.quorum (so the round closes without it) its update "
+                            "is late in every round and folded into the next (late = fold)"),
         "drop_prob": Opt(0.0, "probability that a client silently drops a task", min=0.0,
                          max=1.0),
         "drop_clients": Opt([], "client ids that drop every task they get, besides "
@@ -246,8 +264,16 @@ class Section(dict):
 
 
 class Config:
-    def __init__(self, sections: dict[str, dict[str, Any]]):
+    def __init__(self, sections: dict[str, dict[str, Any]],
+                 origins: Mapping[str, str] | None = None):
         self._sections = {name: Section(values) for name, values in sections.items()}
+        # "section.key" -> how a relative path in it was resolved, for a not-found error
+        self.origins = dict(origins or {})
+
+    def origin(self, dotted: str) -> str:
+        """How the path in key `dotted` was read (" (relative to ...)"), or ""."""
+        note = self.origins.get(dotted)
+        return f" ({note})" if note else ""
 
     def __getattr__(self, name: str) -> Section:
         try:
@@ -323,15 +349,16 @@ def build_config(raw: Mapping[str, Any], overrides: Sequence[str] = ()) -> Confi
     merged: dict[str, dict[str, Any]] = {}
     for section, table in raw.items():
         if section not in SCHEMA:
-            raise ConfigError(f"unknown section [{section}]; sections are "
-                              f"{', '.join(SCHEMA)}")
+            raise ConfigError(f"unknown section [{section}]{did_you_mean_section(section)}; "
+                              f"sections are {', '.join(SCHEMA)}")
         if not isinstance(table, dict):
             raise ConfigError(f"[{section}] must be a table")
         merged[section] = dict(table)
     for text in overrides:
         section, key, value = _parse_override(text)
         if section not in SCHEMA:
-            raise ConfigError(f"--set {text!r}: unknown section {section!r}; sections are "
+            raise ConfigError(f"--set {text!r}: unknown section {section!r}"
+                              f"{did_you_mean_section(section)}; sections are "
                               f"{', '.join(SCHEMA)}")
         merged.setdefault(section, {})[key] = value
 
@@ -344,13 +371,50 @@ def build_config(raw: Mapping[str, Any], overrides: Sequence[str] = ()) -> Confi
         if unknown:
             from fedbus.algorithms.core.robust import unsupported_hint
 
-            raise ConfigError(f"unknown key {section}.{unknown[0]}; [{section}] keys are "
-                              f"{', '.join(sorted(opts))}"
-                              f"{unsupported_hint(section, unknown[0])}")
+            key = unknown[0]
+            hint = unsupported_hint(section, key) or (
+                _other_algorithms_hint(key, table.get("name", opts["name"].default))
+                if section == "algorithm" else "")
+            raise ConfigError(f"unknown key {section}.{key}{did_you_mean(section, key, opts)}"
+                              f"; [{section}] keys are {', '.join(sorted(opts))}{hint}")
         out[section] = {key: _check(section, key, opt, table[key]) if key in table
                         else copy.deepcopy(opt.default) for key, opt in opts.items()}
     _check_consistency(out)
     return Config(out)
+
+
+def did_you_mean(section: str, key: str, keys: Iterable[str]) -> str:
+    """" (did you mean SECTION.KEY?)" for an unknown key: the closest key of its section
+    (a typo: federation.round), else a key of that name in another section (lr under
+    [federation] is train.lr); "" when nothing is close."""
+    close = difflib.get_close_matches(key, sorted(keys), n=1, cutoff=0.6)
+    if close:
+        return f" (did you mean {section}.{close[0]}?)"
+    elsewhere = [name for name, opts in SCHEMA.items() if name != section and key in opts]
+    return f" (did you mean {elsewhere[0]}.{key}?)" if elsewhere else ""
+
+
+def did_you_mean_section(section: str) -> str:
+    close = difflib.get_close_matches(section, list(SCHEMA), n=1, cutoff=0.6)
+    return f" (did you mean [{close[0]}]?)" if close else ""
+
+
+def _other_algorithms_hint(key: str, name: Any) -> str:
+    """For an [algorithm] key the chosen algorithm lacks: which algorithms have it (a key
+    kept from another method's config, as when a sweep's grid switches algorithm.name)."""
+    from fedbus.algorithms import available, get_algorithm
+
+    owners = []
+    for other in available():
+        try:
+            params = get_algorithm(other).server.PARAMS
+        except Exception:  # a broken plugin must not hide the real error, the unknown key
+            continue
+        if key in params:
+            owners.append(other)
+    if not owners:
+        return ""
+    return f" ({key} is a parameter of {', '.join(owners)}, not of {name})"
 
 
 def _check_consistency(cfg: dict[str, dict[str, Any]]) -> None:
@@ -422,9 +486,45 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{source}: not valid TOML: {err}") from None
+    origins: dict[str, str] = {}
     if path is not None:
-        raw = paths_from(raw, source.resolve().parent)
-    return build_config(raw, overrides)
+        raw = paths_from(raw, source.resolve().parent, origins)
+    cfg = build_config(raw, overrides)
+    for text in overrides:  # a --set value replaces the file's, and how it was read
+        origins.pop(".".join(_parse_override(text)[:2]), None)
+    origins.update(_override_origins(overrides))
+    cfg.origins = origins
+    # the embedded default's own keys are not the user's doing: only --set counts there
+    chosen = _keys_given(raw if path is not None else {}, overrides)
+    for line in inapplicable_keys(cfg, chosen):
+        warnings.warn(line, ConfigWarning, stacklevel=2)
+    return cfg
+
+
+def _keys_given(raw: Mapping[str, Any], overrides: Sequence[str]) -> set[str]:
+    given = {f"{section}.{key}" for section, table in raw.items()
+             if isinstance(table, dict) for key in table}
+    return given | {".".join(_parse_override(text)[:2]) for text in overrides}
+
+
+def inapplicable_keys(cfg: Config, given: Iterable[str]) -> list[str]:
+    """One line per partition for the [data] keys a config sets that its partition does
+    not read (ways and shots kept from an nway-kshot example under dirichlet). Which keys a
+    partition reads is the partitioner's own table, fedbus.node.data.partition.PARAMS."""
+    from fedbus.node.data.partition import PARAMS  # numpy only
+
+    scheme = str(cfg.data.partition).strip()
+    reads = PARAMS.get("file" if scheme.startswith("file:") else scheme)
+    if reads is None:  # an unknown partition is the partitioner's error to report
+        return []
+    partition_keys = {key for keys in PARAMS.values() for key in keys}
+    ignored = sorted(key for key in partition_keys - set(reads) if f"data.{key}" in given)
+    if not ignored:
+        return []
+    users = sorted({p for p, keys in PARAMS.items() for key in ignored if key in keys})
+    return [f"data.{', data.'.join(ignored)} {'is' if len(ignored) == 1 else 'are'} set but "
+            f"data.partition = {scheme!r} does not read {'it' if len(ignored) == 1 else 'them'} "
+            f"(for {', '.join(users)}); ignored"]
 
 
 # Keys that name a file or folder, with the prefix their value may carry before it.
@@ -433,28 +533,69 @@ PATH_KEYS = {("data", "dataset"): ("npz:", "digit5-offline:"), ("data", "partiti
              ("bus", "keys_dir"): ("",)}
 
 
-def paths_from(raw: dict[str, Any], folder: Path) -> dict[str, Any]:
+def _relative_path(section: str, key: str, value: Any) -> tuple[str, str] | None:
+    """(prefix, path) of a path key's value when the path is relative, else None."""
+    prefixes = PATH_KEYS.get((section, key))
+    if prefixes is None or not isinstance(value, str) or not value:
+        return None
+    prefix = next((x for x in prefixes if x and value.startswith(x)), "")
+    if prefix == "" and "" not in prefixes:
+        return None
+    rest = value[len(prefix):]
+    if not rest or Path(os.path.expanduser(rest)).is_absolute():
+        return None
+    return prefix, rest
+
+
+def paths_from(raw: dict[str, Any], folder: Path,
+               origins: dict[str, str] | None = None) -> dict[str, Any]:
     """A CONFIG file's relative paths made absolute against the file's own folder, where
     the file or folder they name is found there: a config then means the same from any
     working directory, and the run's config.json (what replay reads) holds absolute paths.
     A path found only relative to the working directory (the old reading) is left as it
-    is; --set values are not touched (relative to the working directory, as a shell's)."""
+    is, with a ConfigWarning giving the path relative to the file; one found nowhere is
+    left as it is too (an npz is also looked for under data.data_dir). `origins` receives,
+    per key, how its path was read, for the not-found error to say where it looked."""
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
-    for (section, key), prefixes in PATH_KEYS.items():
+    origins = {} if origins is None else origins
+    for section, key in PATH_KEYS:
         table = out.get(section)
         value = table.get(key) if isinstance(table, dict) else None
-        if not isinstance(value, str) or not value:
+        split = _relative_path(section, key, value)
+        if split is None:
             continue
-        prefix = next((x for x in prefixes if x and value.startswith(x)), "")
-        if prefix == "" and "" not in prefixes:
-            continue
-        rest = value[len(prefix):]
-        if not rest or Path(os.path.expanduser(rest)).is_absolute():
-            continue
-        candidate = folder / Path(os.path.expanduser(rest))
-        if candidate.exists():
-            table[key] = prefix + os.path.normpath(candidate)
+        prefix, rest = split
+        candidate = os.path.normpath(folder / Path(os.path.expanduser(rest)))
+        from_cwd = os.path.abspath(os.path.expanduser(rest))
+        dotted = f"{section}.{key}"
+        if os.path.exists(candidate):
+            table[key] = prefix + candidate
+            origins[dotted] = f"read relative to the config file's folder, {folder}"
+        elif os.path.exists(from_cwd):
+            origins[dotted] = (f"found from the working directory, {from_cwd}, not beside "
+                               f"the config file")
+            beside = os.path.relpath(from_cwd, folder)
+            warnings.warn(f"{dotted} = {value!r} is found only from the working directory "
+                          f"({from_cwd}); a config's paths are read relative to its own "
+                          f"folder: write {prefix + beside!r} to mean the same from anywhere",
+                          ConfigWarning, stacklevel=3)
+        else:
+            origins[dotted] = (f"a config file's path, read relative to its folder: not at "
+                               f"{candidate}, nor from the working directory at {from_cwd}")
     return out
+
+
+def _override_origins(overrides: Sequence[str]) -> dict[str, str]:
+    """How each relative path given with --set is read: from the working directory."""
+    origins = {}
+    for text in overrides:
+        section, key, value = _parse_override(text)
+        split = _relative_path(section, key, value)
+        if split is not None:
+            where = os.path.abspath(os.path.expanduser(split[1]))
+            origins[f"{section}.{key}"] = (f"a --set path, read relative to the working "
+                                           f"directory: {where}")
+    return origins
 
 
 def describe_options(values: Mapping[str, Mapping[str, Any]] | None = None) -> str:

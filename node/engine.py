@@ -42,6 +42,42 @@ SERVER = "server"
 MASK_CLIENTS = 4
 MASK_IMAGES = 2
 
+# What a record's `failures` name: why a sampled client's task brought no update this round.
+# (A late update that arrives afterwards is folded into a later aggregation, listed in that
+# record's `stale`, or discarded, per federation.late.)
+FAILURES = {
+    "late": "sent no update by the round's deadline (it may still come, late)",
+    "dropped": "dropped its task (system.drop_prob, drop_clients): it never answers",
+    "dead": "lost with its node (left, or purged by the broker)",
+    "rejected": "its update was refused (the validator's reason in `refusals`)",
+    "error": "its handler failed",
+    "secagg": "its masked input was lost with a failed secure aggregation",
+}
+# What an evaluation record's `eval_missing` names: why a live client has no score in it.
+# eval_clients = eval_live - len(eval_missing), always.
+EVAL_MISSING = {
+    "busy": "still training a late task of an earlier round (sync mode evaluates it later)",
+    "dead": "lost with its node during the evaluation",
+    "refused": "its result was refused",
+    "timed_out": "sent no result by the evaluation's deadline",
+}
+
+
+def unbounded_wait(cfg: Config) -> str | None:
+    """One line for the start of a run whose rounds may each wait for federation.
+    hard_deadline_s: its sampled clients may never answer (a simulated drop) and it has
+    no deadline to close a round without them; None otherwise."""
+    fed, sys_cfg = cfg.federation, cfg.system
+    if fed.deadline_s > 0 or not (sys_cfg.drop_prob > 0 or sys_cfg.drop_clients):
+        return None
+    cause = f"system.drop_prob = {sys_cfg.drop_prob:g}" if sys_cfg.drop_prob > 0 else \
+        f"system.drop_clients = {list(sys_cfg.drop_clients)}"
+    held = "each dropped task holds a round" if fed.mode == "sync" else \
+        "each dropped task holds a client's slot"
+    return (f"{cause} with federation.deadline_s = 0: {held} until federation.hard_deadline_s "
+            f"({fed.hard_deadline_s:g} s); set federation.deadline_s (say 30) to close rounds "
+            "without the clients that dropped")
+
 
 def client_address(client: int) -> str:
     return f"c{client}"
@@ -154,6 +190,10 @@ class Task:
     round: int  # sync: the round; async: the version it was made from
     sent: float
     deadline: float  # 0 = none
+    # system.drop_prob / drop_clients: the engine drew this task's simulated drop, so when
+    # the client stays silent its failure is named "dropped", not "late", and its client
+    # is free again once its round closes (nothing will ever arrive for the task)
+    drops: bool = False
 
 
 @dataclass
@@ -165,6 +205,7 @@ class RoundState:
     hard_deadline: float
     updates: dict[int, ClientUpdate] = field(default_factory=dict)
     failures: dict[int, str] = field(default_factory=dict)
+    refusals: dict[int, str] = field(default_factory=dict)  # client -> the validator's reason
     # relays' pre-aggregated updates; their members are in `updates` (empty payloads)
     merged: list[ClientUpdate] = field(default_factory=list)
     bytes_up: int = 0
@@ -201,6 +242,15 @@ class EvalState:
     expected: set[int]
     results: dict[int, dict[str, Any]] = field(default_factory=dict)
     record: dict[str, Any] = field(default_factory=dict)
+    live: int = 0  # live clients when it started
+    # live clients it has no result from, and why (EVAL_MISSING): with `results`, every
+    # live client is accounted for, so an accuracy is never silently a subset's
+    missing: dict[int, str] = field(default_factory=dict)
+
+    def lose(self, client: int, why: str) -> None:
+        if client in self.expected and client not in self.results:
+            self.expected.discard(client)
+            self.missing[client] = why
 
 
 def count_params(payload: Any) -> int:
@@ -316,9 +366,9 @@ class Engine:
                 body["task"] = r.task if isinstance(r.task, int) else None
             out.append(Out("error", r.src, r.round, body))
         if r.task is not None:
-            out += self.on_task_failed(r.src, r.task, now, reason="rejected")
+            out += self.on_task_failed(r.src, r.task, now, reason="rejected", detail=r.reason)
         for address, tid in r.tasks:
-            out += self.on_task_failed(address, tid, now, reason="rejected")
+            out += self.on_task_failed(address, tid, now, reason="rejected", detail=r.reason)
         if r.eval is not None:
             out += self._eval_dropped(r.eval, r.src, now)
         return out
@@ -333,7 +383,7 @@ class Engine:
             return []
         if ev is None or client not in ev.expected or client in ev.results:
             return []
-        ev.expected.discard(client)
+        ev.lose(client, "refused")
         if len(ev.results) >= len(ev.expected):
             return self._finish_eval(eid, now)
         return []
@@ -445,7 +495,8 @@ class Engine:
                     elif self.async_mode:
                         self.window.failures.setdefault(task.client, reason)
         for ev in self.evals.values():
-            ev.expected.difference_update(clients)
+            for c in clients:
+                ev.lose(c, "dead")
 
     def _add_task(self, task: Task) -> None:
         self.tasks[task.id] = task
@@ -461,6 +512,12 @@ class Engine:
         else:
             del self.busy[task.client]
         return task
+
+    def _silence(self, tid: Any) -> str:
+        """Why a task's client said nothing by its deadline: it dropped the task (the
+        engine drew the simulated drop, Task.drops), or it is late."""
+        task = self.tasks.get(tid) if isinstance(tid, int) else None
+        return "dropped" if task is not None and task.drops else "late"
 
     def _earliest_task_deadline(self) -> float | None:
         heap = self.deadlines
@@ -500,7 +557,8 @@ class Engine:
         if self.async_mode:
             while (first := self._earliest_task_deadline()) is not None and now >= first:
                 task = self._drop_task(heapq.heappop(self.deadlines)[1])
-                self.window.failures.setdefault(task.client, "late")
+                self.window.failures.setdefault(task.client,
+                                                "dropped" if task.drops else "late")
             out += self._async_fill(now)
         elif self.round is not None:
             r = self.round
@@ -530,6 +588,9 @@ class Engine:
                 return []
             self.started = True
             self.window.started = now
+            warning = unbounded_wait(self.cfg)
+            if warning:
+                self.events.append({"event": "warning", "message": warning})
         if self.async_mode:
             return self._async_fill(now)
         if self.round is None and not self.evals and self.version < self.rounds:
@@ -544,19 +605,28 @@ class Engine:
             if r.secure.phase == "shares" and all(c in r.secure.sharers or c in r.failures
                                                   for c in r.secure.keys):
                 return self._secure_masking(now) + self._progress(now)
-        if r is not None and r.complete():
+        if r is not None and (r.complete() or self._quorum_met(r)):
             return self._close_round(now)
         return []
+
+    def _quorum_met(self, r: RoundState) -> bool:
+        """federation.quorum: the round has this many of its sampled clients' updates, so it
+        closes on that event rather than on a clock (its other clients are late); not under
+        secure aggregation, whose round closes on its own phases."""
+        quorum = self.fed.get("quorum", 0)
+        return quorum > 0 and r.secure is None and len(r.updates) >= quorum
 
     def _task_body(self, client: int, round_: int, now: float, deadline: float) -> dict:
         tid = self.next_task_id
         self.next_task_id += 1
         self._add_task(Task(tid, client, self.version, round_, now, deadline))
         info = RoundInfo(self.version, self.rounds)
+        sim = self._simulate(client)
+        self.tasks[tid].drops = sim["drop"]
         return {"task": tid, "version": self.version, "epochs": self.cfg.train.epochs,
                 "budget_s": self.cfg.train.budget_s,
                 "seed": task_seed(self.fed.seed, client, self.version),
-                "sim": self._simulate(client),
+                "sim": sim,
                 "bound": self.client_bound(client),
                 "payload": self.handler.make_task(client, info)}
 
@@ -723,18 +793,21 @@ class Engine:
         return []
 
     def on_task_failed(self, src: str, task_id: Any, now: float,
-                       reason: str = "error") -> list[Out]:
+                       reason: str = "error", detail: str = "") -> list[Out]:
         """A client's task ended without a usable update: its handler failed ("error"), or
-        its answer failed validation ("rejected"). Either way the client is done for this
-        round, so the round need not wait for its deadline."""
+        its answer failed validation ("rejected"; `detail`: the validator's reason, kept in
+        the record's `refusals`). Either way the client is done for this round, so the round
+        need not wait for its deadline."""
         task = self.tasks.get(task_id) if isinstance(task_id, int) else None
         if task is None or client_address(task.client) != src:
             return []
         self._drop_task(task_id)
-        if self.round is not None and task.round == self.round.round:
-            self.round.failures.setdefault(task.client, reason)
-        elif self.async_mode:
-            self.window.failures.setdefault(task.client, reason)
+        window = self.round if self.round is not None and task.round == self.round.round \
+            else self.window if self.async_mode else None
+        if window is not None and task.client not in window.failures:
+            window.failures[task.client] = reason
+            if detail:
+                window.refusals[task.client] = detail[:300]
         self.events.append({"event": "task_failed", "client": task.client, "task": task_id,
                             "reason": reason})
         return self._progress(now)
@@ -775,11 +848,15 @@ class Engine:
             # the inputs in are the survivors: unmask them first (or finish unmasking)
             return self._secure_finish(now) if r.secure.phase == "unmask" \
                 else self._secure_unmask(now)
+        dropping = {t.client for t in self.tasks.values() if t.round == r.round and t.drops}
         for c in r.pending():
-            r.failures[c] = "late"
+            r.failures[c] = "dropped" if c in dropping else "late"
         for tid, task in list(self.tasks.items()):
             if task.round == r.round:
-                task.deadline = 0.0  # it may still arrive: then it is late
+                if task.drops:  # nothing will ever come: its client is free (and evaluated)
+                    self._drop_task(tid)
+                else:
+                    task.deadline = 0.0  # it may still arrive: then it is late
             elif self.version - task.version > self.fed.max_staleness:
                 self._drop_task(tid)  # too stale to ever count
         in_merged = {m.client for e in r.merged for m in e.members}
@@ -829,6 +906,8 @@ class Engine:
                 "participants": sorted(u.client for u in updates),
                 "partial_clients": sorted(u.client for u in updates if u.work.fraction < 1.0),
                 "failures": {str(f.client): f.reason for f in failures},
+                **({"refusals": {str(c): why for c, why in sorted(window.refusals.items())}}
+                   if window.refusals else {}),
                 "agg": {k: float(v) for k, v in metrics.items() if k not in extra},
                 **({"agg_extra": extra} if extra else {}),
                 **({"dp": self.ledger.record()} if self.ledger is not None else {})}
@@ -1028,9 +1107,9 @@ class Engine:
         """Clients that missed a step cannot take part: their tasks end, as late."""
         r = self.round
         for c in clients:
-            if c not in r.failures:
-                r.failures[c] = "late"
             tid = r.secure.task_of.get(c)
+            if c not in r.failures:
+                r.failures[c] = self._silence(tid)
             if tid in self.tasks:
                 self._drop_task(tid)
 
@@ -1093,7 +1172,7 @@ class Engine:
         r = self.round
         s = r.secure
         for c in r.pending():
-            r.failures[c] = "late"
+            r.failures[c] = self._silence(s.task_of.get(c))
         s.phase = "unmask"
         s.survivors = set(s.inputs)
         s.reveal_started = now
@@ -1218,9 +1297,11 @@ class Engine:
 
     def _start_eval(self, record: dict[str, Any], now: float) -> list[Out]:
         # In sync mode a client still busy with a straggling task would hold the
-        # next round back until it finished; it is evaluated another round.
+        # next round back until it finished; it is evaluated another round, and the record
+        # names it (a dropped task's client is free: Task.drops).
         busy = () if self.async_mode else self.busy
         targets = sorted(c for c in self.live if c not in busy)
+        missing = {c: "busy" for c in sorted(self.live) if c in busy}
         eid = self.next_eval_id
         self.next_eval_id += 1
         wait = self.fed.deadline_s * 2 if self.fed.deadline_s > 0 else self.fed.hard_deadline_s
@@ -1228,7 +1309,7 @@ class Engine:
         for metric in self.eval_metrics:
             record.update(metric(self.handler, record))
         ev = EvalState(self.version, record["round"], now, now + wait, set(targets),
-                       record=record)
+                       record=record, live=len(self.live), missing=missing)
         self.evals[eid] = ev
         info = RoundInfo(self.version - 1, self.rounds)
         out = []
@@ -1259,7 +1340,11 @@ class Engine:
     def _finish_eval(self, eid: int, now: float) -> list[Out]:
         ev = self.evals.pop(eid)
         record = dict(ev.record)
+        for c in sorted(ev.expected - set(ev.results)):
+            ev.lose(c, "timed_out")
         record["eval_clients"] = len(ev.results)
+        record["eval_live"] = ev.live
+        record["eval_missing"] = {str(c): why for c, why in sorted(ev.missing.items())}
         record.update(summarise_eval({c: r["metrics"] for c, r in ev.results.items()}))
         record["eval_s"] = now - ev.started
         self.records.append(record)

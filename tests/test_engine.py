@@ -342,6 +342,53 @@ def test_a_late_update_is_folded_into_the_next_aggregation_with_weight_1_over_sq
                                    err_msg=k)
 
 
+def test_a_round_closes_on_its_quorum_with_no_clock_the_rest_late():
+    """federation.quorum: the round closes on the quorum's last update, at whatever time it
+    comes (no tick, no deadline): who is late depends on the order of events only."""
+    engine, tasks = started(4, quorum=3, eval_every=100)
+    assert answer(engine, tasks[:2], 1.0) == [] and engine.version == 0
+    outs = answer(engine, tasks[3:], 1e6)  # the third update, however late by the clock
+    assert engine.version == 1 and dsts(outs) == ["c0", "c1", "c2", "c3"]
+    rec = engine.records[-1]
+    assert rec["participants"] == [0, 1, 3] and rec["failures"] == {"2": "late"}
+    assert (rec["late"], rec["updates"], rec["time"]) == (1, 3, 1e6)
+
+
+def test_under_a_quorum_a_held_update_is_folded_into_the_next_round():
+    """The event-driven straggler's script (system.hold_clients): c2's round-0 update is
+    held until round 1's tasks arrive, so it comes after round 0 closed on its quorum and
+    before round 1 closes (its node's other client answers after it): late and folded
+    with staleness 1, at any times."""
+    engine, tasks = started(4, quorum=3, late="fold", eval_every=100)
+    second = answer(engine, [t for t in tasks if client(t) != 2], 1.0)
+    assert engine.records[-1]["failures"] == {"2": "late"}
+    assert dispatch(engine, update(tasks[2]), 1.5) == [] and len(engine.late) == 1
+    answer(engine, [t for t in second if client(t) != 2], 2.0)
+    rec = engine.records[-1]
+    assert rec["round"] == 1 and rec["failures"] == {"2": "late"}
+    assert rec["stale"] == [[2, 0, 1, pytest.approx(staleness_weight(1))]]
+    assert engine.totals["late_folded"] == 1
+
+
+def test_a_quorum_counts_updates_not_failures_and_the_deadline_still_applies():
+    engine, tasks = started(4, quorum=3, deadline_s=5.0, min_updates=1, eval_every=100)
+    handler_failed(engine, tasks[0], 1.0)
+    answer(engine, tasks[1:3], 1.0)
+    assert engine.version == 0  # two updates and a failure: short of the quorum
+    engine.on_tick(5.0)
+    rec = engine.records[-1]
+    assert engine.version == 1 and rec["participants"] == [1, 2]
+    assert rec["failures"] == {"0": "error", "3": "late"}
+
+
+def test_a_quorum_above_the_sampled_clients_waits_for_all_of_them():
+    engine, tasks = started(3, quorum=5, eval_every=100)
+    answer(engine, tasks[:2], 1.0)
+    assert engine.version == 0
+    answer(engine, tasks[2:], 2.0)
+    assert engine.version == 1 and engine.records[-1]["failures"] == {}
+
+
 def test_max_staleness_drops_what_is_too_stale_to_count():
     engine, tasks = started(4, deadline_s=5.0, min_updates=2, late="fold", max_staleness=0,
                             eval_every=100)
