@@ -260,3 +260,114 @@ def _role(proc, launcher: int) -> str:
             if word == role or word.startswith(f"fedbus-{role}"):
                 return role
     return "?"
+
+
+# --------------------------------------------------------------------------- the floor
+# Every speed figure a benchmark prints is also given as a ratio to this floor, measured in
+# the same invocation: on a loaded or a faster machine both move together, so a ratio that
+# grows between commits is the code, not the machine (docs/PERFORMANCE.md keeps a history).
+@dataclass(frozen=True)
+class Floor:
+    """The raw-zmq floor of a message pattern: the median seconds for one ROUTER to send
+    `messages` bodies of `down_bytes`, spread over `nodes` DEALER processes, and take one
+    `up_bytes` answer for each (loopback TCP; no broker, no framework, bodies pre-built)."""
+    ms: float
+    messages: int
+    down_bytes: int
+    up_bytes: int
+    nodes: int
+
+    def ratio(self, ms: float | None) -> float:
+        if ms is None or not self.ms > 0:
+            return math.nan
+        return ms / self.ms
+
+    def figures(self, ms: float | None) -> dict[str, float]:
+        """The --json keys of a figure of `ms` milliseconds: floor_ms and ratio."""
+        return {"floor_ms": self.ms, "ratio": self.ratio(ms)}
+
+    def describe(self) -> str:
+        return (f"raw-zmq floor {self.ms:.2f} ms, measured in this run: {self.messages} "
+                f"messages of {self.down_bytes:,} B out and {self.up_bytes:,} B back, "
+                f"{self.nodes} DEALER process{'es' if self.nodes > 1 else ''}, no broker")
+
+
+def zmq_floor(messages: int, down_bytes: int, up_bytes: int, *, nodes: int = 1,
+              repeats: int = 10) -> Floor:
+    """Measure the Floor of the pattern now: the median of `repeats` round trips after
+    one that warms the connections up."""
+    import multiprocessing as mp
+    import statistics
+
+    import zmq
+
+    messages, nodes = max(1, int(messages)), max(1, int(nodes))
+    # an empty body is the DEALERs' signal to stop, so a payload is at least one byte
+    down, up = max(1, int(down_bytes)), max(1, int(up_bytes))
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    endpoint = f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
+    procs = [mp.get_context("fork").Process(target=_floor_dealer,
+                                            args=(endpoint, f"n{i}".encode(), up))
+             for i in range(nodes)]
+    for p in procs:
+        p.start()
+    idents: list[bytes] = []
+    times = []
+    try:
+        while len(idents) < nodes:
+            ident, _ = sock.recv_multipart()
+            idents.append(ident)
+        body = bytes(down)
+        for _ in range(max(1, repeats) + 1):
+            t0 = time.perf_counter()
+            for i in range(messages):
+                sock.send(idents[i % nodes], zmq.SNDMORE)
+                sock.send(body, copy=False)
+            for _ in range(messages):
+                sock.recv_multipart(copy=False)
+            times.append(time.perf_counter() - t0)
+    finally:
+        for ident in idents:
+            sock.send_multipart([ident, b""])
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+        sock.close()
+        ctx.term()
+    return Floor(statistics.median(times[1:]) * 1000, messages, down, up, nodes)
+
+
+def _floor_dealer(endpoint: str, ident: bytes, up_bytes: int) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, ident)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    reply = bytes(up_bytes)
+    sock.send(b"hello")
+    while sock.recv():
+        sock.send(reply)
+    sock.close()
+    ctx.term()
+
+
+def ratio_text(ratio: float) -> str:
+    return "-" if ratio is None or math.isnan(ratio) else f"{ratio:.1f}x"
+
+
+FIGURE_HEAD = f"  {'figure':<38}{'fedbus ms':>11}{'floor ms':>10}{'ratio':>8}"
+
+
+def figure_line(label: str, ms: float | None, floor_ms: float | None) -> str:
+    """One table line under FIGURE_HEAD: a figure, the same-run floor it is divided by
+    (for a figure spanning several rounds, that many rounds' floor) and the ratio."""
+    ratio = ms / floor_ms if ms is not None and floor_ms else math.nan
+    shown = "-" if ms is None else f"{ms:.1f}"
+    base = "-" if not floor_ms else f"{floor_ms:.2f}"
+    return f"  {label:<38}{shown:>11}{base:>10}{ratio_text(ratio):>8}"

@@ -1,5 +1,6 @@
 """Framework overhead per round: no-op training, real processes, real bus.
 
+    fedbus bench rounds --quick          # CI's perf smoke: 100 clients, 1 node, 5 rounds
     fedbus bench rounds --clients 100 --payload prototypes
     fedbus bench rounds --clients 1000 --nodes 4 --rounds 10
     fedbus bench rounds --clients 10000 --nodes 4 --rounds 5 --fraction 0.1
@@ -16,7 +17,9 @@ The floor: the same message pattern over raw zmq in the same run, with no broker
 engine and pre-encoded bodies: a ROUTER "server" sends each round's tasks (bodies of the
 run's mean task size) to --nodes DEALER processes, which answer each with a body of the
 run's mean update size; a round is the first send to the last answer. fedbus's ratio
-to it is what the framework costs on top of moving the bytes.
+to it is what the framework costs on top of moving the bytes: every time is printed beside
+the floor with its ratio (--json: `floor_ms`, `ratio` for the median round, `ratios` for
+each time), and docs/PERFORMANCE.md keeps a history of those ratios by commit.
 
 Relays (--relays N): the same federation (clients, nodes, rounds, payload, seed) run a
 second time in the same invocation through N `fedbus relay` processes, each starting its
@@ -33,24 +36,36 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing as mp
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fedbus.bench.common import Finished, run, watch, write_toml
+from fedbus.bench.common import (
+    FIGURE_HEAD,
+    Finished,
+    figure_line,
+    run,
+    watch,
+    write_toml,
+    zmq_floor,
+)
 from fedbus.node.lifetime import python_module
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--clients", type=int, default=100)
+    p.add_argument("--clients", type=int, default=None, help="default 100")
     p.add_argument("--payload", choices=["prototypes", "resnet18"], default="prototypes")
-    p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--nodes", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=None, help=f"default {FULL['rounds']} "
+                   f"({QUICK['rounds']} with --quick)")
+    p.add_argument("--nodes", type=int, default=None, help=f"default {FULL['nodes']} "
+                   f"({QUICK['nodes']} with --quick)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"CI's perf smoke: {QUICK['clients']} clients, {QUICK['nodes']} node, "
+                   f"{QUICK['rounds']} rounds unless given; prints only the times, each "
+                   "beside the same-run raw-zmq floor and its ratio to it")
     p.add_argument("--fraction", type=float, default=1.0,
                    help="clients sampled per round (federation.fraction, default 1)")
     p.add_argument("--memory-mb", type=float, default=None,
@@ -68,6 +83,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="keep the run directory here")
     p.add_argument("--json", action="store_true", help="also print the figures as JSON")
 
+
+# the defaults of --clients, --nodes and --rounds, and --quick's (under a minute on 2 cores)
+FULL = {"clients": 100, "nodes": 4, "rounds": 10}
+QUICK = {"clients": 100, "nodes": 1, "rounds": 10}
+
+# the figures that are times (figures' keys), each printed beside the floor and its ratio
+TIMES = {"first_round_ms": "first round (builds clients)",
+         "round_ms_median": "per round, median of the rest",
+         "round_ms_mean": "per round, mean of the rest",
+         "round_ms_max": "per round, max of the rest"}
 
 # digits (1,797 samples) gives every client of up to this many at least one sample
 DIGITS_CLIENTS = 1000
@@ -103,6 +128,17 @@ def config(args: argparse.Namespace, dataset: str = "digits") -> dict:
 def main_args(args: argparse.Namespace) -> int:
     from fedbus.bench.common import out_dir
 
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    for key in FULL:
+        if getattr(args, key) < 1:
+            print(f"fedbus bench rounds: --{key} must be at least 1", file=sys.stderr)
+            return 2
+    if args.quick and args.relays:
+        print("fedbus bench rounds: --quick measures the flat federation only (no --relays)",
+              file=sys.stderr)
+        return 2
     if args.relays < 0 or args.relays > min(args.nodes, args.clients):
         print(f"fedbus bench rounds: --relays must lie in 0..{min(args.nodes, args.clients)} "
               "(each relay serves at least one node of --nodes)", file=sys.stderr)
@@ -131,19 +167,31 @@ def main_args(args: argparse.Namespace) -> int:
                "peak_rss_total": res.peak_rss, "peak_pss_total": res.peak_pss,
                "peak_rss_per_process": sorted(res.peak_rss_by_pid.values(), reverse=True),
                "wall_s": res.wall_s}
-    print(f"fedbus bench rounds: {args.clients} clients, {args.nodes} nodes, "
-          f"{sampled} sampled a round, payload {args.payload}, {args.rounds} rounds, "
-          f"message log {'on' if args.message_log else 'off'}")
-    print(f"  first round (builds clients) {figures['first_round_ms']:9.1f} ms")
-    print(f"  per round, median of the rest {figures['round_ms_median']:9.1f} ms"
-          f"   (mean {figures['round_ms_mean']:.1f}, max {figures['round_ms_max']:.1f})")
+    floor = None
     if not args.no_floor:
-        floor = raw_zmq_floor(sampled, args.nodes, int(down), int(up), rounds=max(5, args.rounds))
-        figures["floor_ms"] = floor * 1000
-        figures["ratio_to_floor"] = figures["round_ms_median"] / figures["floor_ms"]
-        print(f"  raw zmq floor, same pattern  {floor * 1000:9.1f} ms   (fedbus / floor "
-              f"{figures['ratio_to_floor']:.1f}x; {2 * sampled} messages of "
-              f"{int(down):,} B down / {int(up):,} B up, no broker)")
+        floor = zmq_floor(sampled, int(down), int(up), nodes=args.nodes,
+                          repeats=max(5, args.rounds))
+        figures.update(floor.figures(figures["round_ms_median"]))
+        figures["ratios"] = {k: floor.ratio(figures[k]) for k in TIMES}
+    if args.quick:
+        print(f"fedbus bench rounds --quick: {args.clients} clients, {args.nodes} "
+              f"node{'s' if args.nodes > 1 else ''}, {args.rounds} rounds, payload "
+              f"{args.payload}; the ratios are information, not a verdict")
+    else:
+        print(f"fedbus bench rounds: {args.clients} clients, {args.nodes} nodes, "
+              f"{sampled} sampled a round, payload {args.payload}, {args.rounds} rounds, "
+              f"message log {'on' if args.message_log else 'off'}")
+    print(FIGURE_HEAD)
+    for key, label in TIMES.items():
+        print(figure_line(label, figures[key], floor.ms if floor else None))
+    if floor:
+        print(f"  ({floor.describe()})")
+    if args.quick:
+        print(f"  ({figures['rounds_completed']} rounds completed; wall time incl. start-up "
+              f"{res.wall_s:.1f} s)")
+        if args.json:
+            print(json.dumps(figures))
+        return 0
     print(f"  rounds completed             {figures['rounds_completed']:9d}")
     print(f"  bytes up / down              {figures['bytes_up']:,} / {figures['bytes_down']:,}")
     print(f"  peak RSS, all processes      {res.peak_rss / 2**30:9.2f} GiB"
@@ -328,70 +376,6 @@ def _tree_main(argv: list[str]) -> int:
     p.add_argument("--log-level", default="warning")
     a = p.parse_args(argv)
     return serve_tree(Path(a.config), Path(a.out), a.relays, a.log_level)
-
-
-# --------------------------------------------------------------------------- the floor
-def _floor_node(endpoint: str, ident: bytes, up_bytes: int) -> None:
-    import zmq
-
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, ident)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    reply = bytes(up_bytes)
-    sock.send(b"hello")
-    while True:
-        body = sock.recv()
-        if not body:
-            break
-        sock.send(reply)
-    sock.close()
-    ctx.term()
-
-
-def raw_zmq_floor(tasks: int, nodes: int, down_bytes: int, up_bytes: int, *,
-                  rounds: int = 10) -> float:
-    """Median seconds for a ROUTER to send `tasks` bodies of `down_bytes` spread over
-    `nodes` DEALER processes and receive one `up_bytes` answer for each."""
-    import zmq
-
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    endpoint = f"tcp://127.0.0.1:{port}"
-    procs = [mp.get_context("fork").Process(target=_floor_node,
-                                            args=(endpoint, f"n{i}".encode(), up_bytes))
-             for i in range(nodes)]
-    for p in procs:
-        p.start()
-    idents = []
-    while len(idents) < nodes:
-        ident, _ = sock.recv_multipart()
-        idents.append(ident)
-    body = bytes(down_bytes)
-    times = []
-    try:
-        for _ in range(rounds + 1):  # the first warms the connections up
-            t0 = time.perf_counter()
-            for i in range(tasks):
-                sock.send(idents[i % nodes], zmq.SNDMORE)
-                sock.send(body, copy=False)
-            for _ in range(tasks):
-                sock.recv_multipart(copy=False)
-            times.append(time.perf_counter() - t0)
-    finally:
-        for ident in idents:
-            sock.send_multipart([ident, b""])
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-        sock.close()
-        ctx.term()
-    return statistics.median(times[1:])
 
 
 if __name__ == "__main__":
