@@ -399,7 +399,7 @@ TINY_FEDPAC = merged(TINY, algorithm={"name": "fedpac"})
 def test_fedpac_sync_with_a_folded_straggler_learns_and_replays(tmp_path):
     from test_replay import assert_identical
 
-    # 5 rounds, as test_algo_fednh's: under contention the straggler's update comes rounds late
+    # 5 rounds, as test_algo_fednh's
     run, summary, recs = run_with_folded_straggler(
         tmp_path, merged(TINY_FEDPAC, federation={"rounds": 5, "eval_every": 5},
                          train={"epochs": 2}))

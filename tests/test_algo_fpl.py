@@ -376,9 +376,7 @@ TINY_FPL = merged(TINY, data={"ways": 5},
 def test_fpl_sync_with_a_folded_straggler_learns_and_replays(tmp_path):
     from test_replay import assert_identical
 
-    # 5 rounds, as test_algo_fednh's: on a loaded machine (load 11) the straggler was late in
-    # each of 3 rounds and its update came after the run's end, so nothing was folded.
-    # acc_mean 0.79 and 0.80 in two 5-round runs
+    # 5 rounds, as test_algo_fednh's; acc_mean 0.79 and 0.80 in two 5-round runs
     run, summary, recs = run_with_folded_straggler(
         tmp_path, merged(TINY_FPL, federation={"rounds": 5, "eval_every": 5},
                          train={"epochs": 3}))

@@ -29,11 +29,8 @@ ALGORITHMS = ["local", "fedavg", "fedprox", "fedproto", "fedavg-proto", "mpfedcl
 HETEROGENEOUS = {"local", "fedproto", "fedtgp", "fd", "lg-fedavg", "fml", "fedkd", "fedgh",
                  "fedgen"}
 PROTO_METRIC = {"fedproto", "fedavg-proto", "mpfedcl", "proto-attention", "fedtgp"}
-# MP-FedCL's k-means runs after local training, outside the time budget, and a
-# simulated slow device takes slow_factor times longer for it too: at 100x, the
-# straggler's k-means (and sklearn's first import) would push its late update past
-# the end of the run. k = 1 (SP-FedCL: class means, no k-means) keeps it foldable;
-# the async run below trains the default k = 2.
+# MP-FedCL's sync run trains k = 1 (SP-FedCL: class means, no k-means); the async run
+# below trains the default k = 2.
 SYNC_PARAMS = {"mpfedcl": {"k": 1}}
 # FedAvg-proto uploads prototypes in the last round only; in async mode the last
 # buffer may hold only updates made from earlier versions, so ask every round.
@@ -50,10 +47,8 @@ def _final_accuracy(summary: dict) -> float:
 
 def _straggler_config(algorithm: str) -> dict:
     # 5 of the 6 clients are sampled per round; federation.seed 1 samples the straggler
-    # (helpers.SLOW) in every one. 4 rounds, not 3: the straggler's late update leaves when
-    # its node has trained the clients queued before it (real seconds, longer under load)
-    # plus its 100x-slowed work, which unloaded lands ~4.1 s in; with 3 rounds of 2 s it had
-    # to land before ~6 s and once, under CI's load, did not (nothing folded)
+    # (helpers.SLOW) in every one, and at least one of its node's two others
+    # (helpers.straggler: its update of each round is folded into the next)
     cfg = merged(SMALL, federation={"rounds": 4, "fraction": 0.75, "eval_every": 4},
                  algorithm={"name": algorithm, **SYNC_PARAMS.get(algorithm, {})},
                  train={"epochs": 2})
