@@ -30,9 +30,11 @@ def _final_state(run) -> dict:
     return read_checkpoint(run / "checkpoint.fbk")[1]["handler"]
 
 
-def _federation(tmp_path, sections, *, relays: bool, name: str) -> tuple:
+def _federation(tmp_path, sections, *, relays: bool, name: str,
+                relay_args: tuple = ()) -> tuple:
     """Broker + server, and nodes hosting clients 0-2 and 3-5: directly, or each node
-    below its own relay (its own site broker). Returns (run dir, Processes)."""
+    below its own relay (its own site broker), started with `relay_args`. Returns (run dir,
+    Processes)."""
     d = tmp_path / name
     d.mkdir()
     procs = Processes(d)
@@ -46,7 +48,7 @@ def _federation(tmp_path, sections, *, relays: bool, name: str) -> tuple:
         if relays:
             site = f"tcp://127.0.0.1:{free_port()}"
             procs.start(f"relay-{i}", "relay", "--upstream", broker, "--bind", site,
-                        "--name", f"relay-{i}", *FAST)
+                        "--name", f"relay-{i}", *FAST, *relay_args)
             target = site
         procs.start(f"node-{i}", "node", "--broker", target, "--clients", clients,
                     "--name", f"n{i}", *FAST)
@@ -115,28 +117,27 @@ def test_two_relays_give_the_flat_federations_global_state(tmp_path, algorithm):
 
 
 def test_a_relay_closes_its_round_at_its_deadline_and_a_late_update_is_folded(tmp_path):
-    """Client 2 (below relay-0) is slow: relay-0 merges c0 and c1 at its deadline, 0.9 x the
-    server's, and forwards c2's update when it comes; the server, whose round closed at its
-    deadline without c2, folds it into the next aggregation with weight 1/sqrt(2)."""
-    # c2's update leaves ~400 x its training time (10-50 ms, the fast CPUs' to the slow
-    # ones') after its task: seconds after both deadlines, well before the twelfth round
-    # ends (at 200x a fast CPU's update beat the relay's 2.7 s deadline)
-    sections = merged(EQUIV, federation={"rounds": 12, "deadline_s": 3.0, "min_updates": 1,
-                                         "late": "fold", "hard_deadline_s": 60.0},
-                      algorithm={"name": "fedproto"},
-                      system={"slow_clients": [2], "slow_factor": 400.0})
-    run, procs = _federation(tmp_path, sections, relays=True, name="slow")
+    """Client 2 (below relay-0) is a straggler: its node holds its update until the next
+    round's task (system.hold_clients), so relay-0 merges c0 and c1 at its deadline and
+    forwards c2's update when it comes; the server, whose round closed on its quorum
+    without c2, folds it into the next aggregation with weight 1/sqrt(2)."""
+    # Who is late is decided by events; the relay's deadline (0.1 x the 120 s hard deadline:
+    # 12 s) only has to outlast c0's and c1's training, a liveness margin
+    sections = merged(EQUIV, federation={"rounds": 2, "quorum": 5, "late": "fold",
+                                         "hard_deadline_s": 120.0},
+                      algorithm={"name": "fedproto"}, system={"hold_clients": [2]})
+    run, procs = _federation(tmp_path, sections, relays=True, name="slow",
+                             relay_args=("--deadline-fraction", "0.1"))
     try:
         _finish(run, procs, "slow-client")
         relay_log = procs.log("relay-0")
     finally:
         procs.close()
     recs = metrics(run)
-    assert recs[0]["failures"] == {"2": "late"} and recs[0]["merged"] == 2
+    assert [r["failures"] for r in recs] == [{"2": "late"}] * 2
+    assert [r["merged"] for r in recs] == [2, 2]
     assert recs[0]["participants"] == [0, 1, 3, 4, 5]
-    folded = [s for r in recs for s in r["stale"]]
-    assert folded and all(c == 2 and st >= 1 and w == pytest.approx(1 / np.sqrt(1 + st))
-                          for c, _v, st, w in folded), folded
+    assert recs[1]["stale"] == [[2, 0, 1, pytest.approx(1 / np.sqrt(2))]]
     assert "round closed at the relay deadline" in relay_log
 
 
