@@ -15,7 +15,9 @@ pre-encoded fedbus messages (frame 0 = header, frame 1 = body) through a middle 
              ROUTER_MANDATORY on, so a full pipe blocks the proxy (back-pressure, no drops),
              as it does in the broker.
 
-Same sockets, same frames, same counting; only the middle differs. Cases: a 20 KiB body (a
+Same sockets, same frames, same counting; only the middle differs. zmq.proxy is this
+benchmark's raw-zmq floor: each fedbus rate is also printed as its time a message beside the
+proxy's, with their ratio (--json: `floor_ms` and `ratio` on each fedbus result). Cases: a 20 KiB body (a
 10 x 512 float32 prototype set) and a 200 B body. Rates are measured at the receiver from its
 first to its last counted message. MB/s counts header + body bytes (1 MB = 10^6 B).
 
@@ -97,6 +99,7 @@ def main_args(args: argparse.Namespace) -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     _print_table(results, args)
+    _print_floor(results)
     if args.json:
         print(json.dumps(results))
     return 0
@@ -124,6 +127,26 @@ def _print_table(results: list[dict], args) -> None:
         print("ratio fedbus/baseline (msg/s): " + ", ".join(ratios))
     if curve:
         print("ratio CURVE on/off (msg/s): " + ", ".join(curve))
+
+
+def _print_floor(results: list[dict]) -> None:
+    """The broker's time a message beside zmq.proxy's, the raw-zmq floor of this pattern
+    measured in the same run (the DEALER/ROUTER round trip of bench.common.zmq_floor has
+    no middle to compare with); adds floor_ms and ratio to each fedbus result."""
+    from fedbus.bench.common import FIGURE_HEAD, figure_line
+
+    proxy = {r["case"]: r for r in results if r["path"] == "zmq.proxy" and r["msg_s"] > 0}
+    rows = []
+    for r in results:
+        base = proxy.get(r["case"])
+        if r["path"] == "zmq.proxy" or base is None or r["msg_s"] <= 0:
+            continue
+        r["floor_ms"], ms = 1000 / base["msg_s"], 1000 / r["msg_s"]
+        r["ratio"] = ms / r["floor_ms"]
+        rows.append(figure_line(f"{r['case']} {r['path']}, time a message", ms, r["floor_ms"]))
+    if rows:
+        print(FIGURE_HEAD + "   (floor: zmq.proxy, same sockets and frames, this run)")
+        print("\n".join(rows))
 
 
 # ---------------------------------------------------------------------------- orchestration

@@ -357,17 +357,39 @@ def _floor_dealer(endpoint: str, ident: bytes, up_bytes: int) -> None:
     ctx.term()
 
 
-def ratio_text(ratio: float) -> str:
-    return "-" if ratio is None or math.isnan(ratio) else f"{ratio:.1f}x"
+def ratio_text(ratio: float | None) -> str:
+    if ratio is None or math.isnan(ratio):
+        return "-"
+    return f"{ratio:.0f}x" if ratio >= 100 else f"{ratio:.1f}x"
 
 
-FIGURE_HEAD = f"  {'figure':<38}{'fedbus ms':>11}{'floor ms':>10}{'ratio':>8}"
+FIGURE_HEAD = f"  {'figure':<38}{'fedbus ms':>11}{'floor ms':>10}{'ratio':>9}"
 
 
 def figure_line(label: str, ms: float | None, floor_ms: float | None) -> str:
     """One table line under FIGURE_HEAD: a figure, the same-run floor it is divided by
     (for a figure spanning several rounds, that many rounds' floor) and the ratio."""
     ratio = ms / floor_ms if ms is not None and floor_ms else math.nan
-    shown = "-" if ms is None else f"{ms:.1f}"
-    base = "-" if not floor_ms else f"{floor_ms:.2f}"
-    return f"  {label:<38}{shown:>11}{base:>10}{ratio_text(ratio):>8}"
+    shown = "-" if ms is None else (f"{ms:.1f}" if ms >= 10 else f"{ms:.3g}")
+    base = "-" if not floor_ms else (f"{floor_ms:.2f}" if floor_ms >= 0.1 else f"{floor_ms:.3g}")
+    return f"  {label:<38}{shown:>11}{base:>10}{ratio_text(ratio):>9}"
+
+
+def floor_table(rows: list[tuple[str, float | None, float | None]],
+                floor: Floor | None) -> list[str]:
+    """The lines a benchmark prints for its times: FIGURE_HEAD, one figure_line per
+    (label, fedbus ms, floor ms) row, and what the floor measured (None: not measured)."""
+    return [FIGURE_HEAD, *(figure_line(*row) for row in rows),
+            *([f"  ({floor.describe()})"] if floor else [])]
+
+
+def run_floor(summary: dict[str, Any], records: list[dict[str, Any]], nodes: int, *,
+              repeats: int = 5) -> Floor:
+    """The floor of one round of a finished run: its tasks a round (the mean of the
+    records' `sampled`, else `updates`), each of the run's mean task bytes out and mean
+    update bytes back, over `nodes` DEALERs."""
+    per_round = [r.get("sampled") or r.get("updates") or 0 for r in records if "round" in r]
+    per_round = [n for n in per_round if n] or [1]
+    tasks = sum(per_round)
+    return zmq_floor(round(tasks / len(per_round)), int(summary.get("bytes_down", 0) / tasks),
+                     int(summary.get("bytes_up", 0) / tasks), nodes=nodes, repeats=repeats)

@@ -43,15 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from fedbus.bench.common import (
-    FIGURE_HEAD,
-    Finished,
-    figure_line,
-    run,
-    watch,
-    write_toml,
-    zmq_floor,
-)
+from fedbus.bench.common import Finished, floor_table, run, run_floor, watch, write_toml
 from fedbus.node.lifetime import python_module
 
 
@@ -153,9 +145,6 @@ def main_args(args: argparse.Namespace) -> int:
     per_round = [r["round_s"] for r in records]
     steady = per_round[1:] or per_round
     sampled = records[-1].get("sampled") or math.ceil(args.fraction * args.clients)
-    tasks = sum(r.get("sampled", 0) for r in records) or 1
-    down = res.summary["bytes_down"] / tasks
-    up = res.summary["bytes_up"] / tasks
     figures = {"clients": args.clients, "nodes": args.nodes, "payload": args.payload,
                "rounds": args.rounds, "fraction": args.fraction, "sampled": sampled,
                "first_round_ms": per_round[0] * 1000,
@@ -169,8 +158,7 @@ def main_args(args: argparse.Namespace) -> int:
                "wall_s": res.wall_s}
     floor = None
     if not args.no_floor:
-        floor = zmq_floor(sampled, int(down), int(up), nodes=args.nodes,
-                          repeats=max(5, args.rounds))
+        floor = run_floor(res.summary, records, args.nodes, repeats=max(5, args.rounds))
         figures.update(floor.figures(figures["round_ms_median"]))
         figures["ratios"] = {k: floor.ratio(figures[k]) for k in TIMES}
     if args.quick:
@@ -181,11 +169,8 @@ def main_args(args: argparse.Namespace) -> int:
         print(f"fedbus bench rounds: {args.clients} clients, {args.nodes} nodes, "
               f"{sampled} sampled a round, payload {args.payload}, {args.rounds} rounds, "
               f"message log {'on' if args.message_log else 'off'}")
-    print(FIGURE_HEAD)
-    for key, label in TIMES.items():
-        print(figure_line(label, figures[key], floor.ms if floor else None))
-    if floor:
-        print(f"  ({floor.describe()})")
+    rows = [(label, figures[key], floor.ms if floor else None) for key, label in TIMES.items()]
+    print("\n".join(floor_table(rows, floor)))
     if args.quick:
         print(f"  ({figures['rounds_completed']} rounds completed; wall time incl. start-up "
               f"{res.wall_s:.1f} s)")

@@ -30,7 +30,9 @@ The figures, from the server's metrics (RUN/metrics.jsonl):
                 error of a summed value.
 The target from the issue is printed beside the 100-client row:
 <= 2x the plain round's time and <= 1.5x its bytes. Times are printed as measured on
-whatever else the machine runs; nothing here asserts them.
+whatever else the machine runs; nothing here asserts them. Each cohort's median rounds are
+also printed beside the raw-zmq floor of its plain round's messages, measured in the same
+run (bench.common.run_floor; --json: each row's `floor_ms`, each run's `ratio`).
 
 Where a secure round's time goes: its phases, from the times the server logged each
 message (RUN/messages.jsonl; "in" when taken, "out" when sent), medians over the rounds
@@ -78,7 +80,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fedbus.bench.common import Finished, out_dir, run
+from fedbus.bench.common import FIGURE_HEAD, Finished, figure_line, out_dir, run, run_floor
 from fedbus.bench.rounds import DIGITS_CLIENTS, blobs
 from fedbus.bench.rounds import config as rounds_config
 
@@ -280,6 +282,7 @@ def measure(args: argparse.Namespace, out: Path, clients: int) -> dict[str, Any]
         blobs(out / f"blobs-{clients}.npz", clients)
     row: dict[str, Any] = {"clients": clients, "rounds": args.rounds,
                            "nodes": args.nodes, "dropout_clients": args.dropout_clients}
+    finished = {}
     for secure in (False, True):
         name = "secure" if secure else "plain"
         print(f"fedbus bench secagg: {clients} clients, {name} ...", file=sys.stderr,
@@ -290,7 +293,15 @@ def measure(args: argparse.Namespace, out: Path, clients: int) -> dict[str, Any]
         except (RuntimeError, TimeoutError) as err:
             row[name] = {"error": str(err)}
             continue
-        row[name] = side(res, secure)
+        row[name], finished[name] = side(res, secure), res
+    # both runs against the floor of the plain run's messages: what secure aggregation
+    # adds shows in the secure ratio
+    base = finished.get("plain") or finished.get("secure")
+    if base is not None:
+        floor = run_floor(base.summary, base.records, args.nodes)
+        row["floor_ms"], row["floor_pattern"] = floor.ms, floor.describe()
+        for name in finished:
+            row[name].update(floor.figures(row[name]["round_s_median"] * 1000))
     plain, secure_ = row["plain"], row["secure"]
     if "error" not in plain and "error" not in secure_:
         row["time_ratio"] = secure_["round_s_median"] / plain["round_s_median"]
@@ -361,6 +372,17 @@ def print_table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
             print(f"  {row['clients']} clients: secure rounds without a secagg record: "
                   f"{sa['missing']}")
     print_phases(rows)
+    print("each cohort's median round beside the raw-zmq floor of its plain round's messages, "
+          "measured in the same run:")
+    print(FIGURE_HEAD)
+    for row in rows:
+        for name in ("plain", "secure"):
+            fig = row[name]
+            if "error" not in fig:
+                print(figure_line(f"{row['clients']} clients, {name} round",
+                                  fig["round_s_median"] * 1000, row.get("floor_ms")))
+        if "floor_pattern" in row:
+            print(f"  ({row['floor_pattern']})")
 
 
 def print_phases(rows: list[dict[str, Any]]) -> None:

@@ -12,7 +12,10 @@ from the moment the launcher process is started:
     stop          total minus the last aggregation: writing the results and
                   stopping every process
 Figures are medians over --repeat runs, beside the median of --repeat bare
-`python -c "import torch"` runs; the target is total <= 2.5x one import.
+`python -c "import torch"` runs; the target is total <= 2.5x one import. Each is also
+printed beside the raw-zmq floor of the first run's round of messages, measured in the
+same invocation (by this interpreter's pyzmq), and its ratio (--json: `floor_ms`, and
+each phase's `ratio`): start-up dwarfs it, but a ratio that grows is fedbus.
 """
 from __future__ import annotations
 
@@ -26,6 +29,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from fedbus.bench.common import Floor, floor_table, run_floor
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=3, help="runs of each measurement (default 3)")
@@ -36,6 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="extra config override, e.g. launch.start=exec (repeatable)")
     p.add_argument("--out", default=None, help="keep the run directories here (default: a "
                    "temporary folder)")
+    p.add_argument("--json", action="store_true", help="also print the figures as JSON")
 
 
 def time_torch_import(python: str) -> float:
@@ -88,11 +94,30 @@ def main_args(args: argparse.Namespace) -> int:
           f"overrides: {' '.join(args.overrides) or '-'}")
     print(f"{'bare import torch':<18}{torch_s:8.2f} s   "
           f"(runs: {', '.join(f'{x:.2f}' for x in imports)})")
-    for phase in ("first task", "first agg", "total", "stop"):
+    for phase in PHASES:
         values = [r[phase] for r in runs]
         med = statistics.median(values)
         print(f"{phase:<18}{med:8.2f} s   {med / torch_s:5.2f}x import   "
               f"(runs: {', '.join(f'{x:.2f}' for x in values)})")
     ratio = statistics.median(r["total"] for r in runs) / torch_s
     print(f"total / import torch = {ratio:.2f} (target <= 2.5)")
+    floor = run_floor_of(out / "run-0")
+    phases = {phase: statistics.median(r[phase] for r in runs) * 1000 for phase in PHASES}
+    print("\n".join(floor_table([(phase, ms, floor.ms) for phase, ms in phases.items()],
+                                floor)))
+    if args.json:
+        print(json.dumps({"import_torch_ms": torch_s * 1000, "floor_ms": floor.ms,
+                          "phases": {p: {"ms": ms, **floor.figures(ms)}
+                                     for p, ms in phases.items()}}))
     return 0
+
+
+PHASES = ("first task", "first agg", "total", "stop")
+
+
+def run_floor_of(run_dir: Path) -> Floor:
+    """The floor of one round of the run in RUN_DIR, over its node processes."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    nodes = json.loads((run_dir / "config.json").read_text()).get("launch", {}).get("nodes", 1)
+    return run_floor(summary, records, max(1, int(nodes or 1)))

@@ -250,7 +250,17 @@ def fedbus_side(cfg: dict[str, dict[str, Any]], out: Path,
             # (known where fedbus.bench.common records them)
             "node_cpu_s": sum(sec for role, sec in getattr(res, "cpu_by_pid", {}).values()
                               if role == "node") or None,
-            **summary_stats(per_round)}
+            **summary_stats(per_round),
+            **floor_figures(res, cfg, statistics.median(per_round) * 1000 if per_round else None)}
+
+
+def floor_figures(res, cfg: dict[str, dict[str, Any]], median_ms: float | None) -> dict:
+    """floor_ms, ratio (the median round over it) and floor_pattern: the raw-zmq floor
+    of one of the run's rounds of messages, measured now (bench.common.run_floor)."""
+    from fedbus.bench.common import run_floor
+
+    floor = run_floor(res.summary, res.records, int(cfg.get("launch", {}).get("nodes", 1)))
+    return {**floor.figures(median_ms), "floor_pattern": floor.describe()}
 
 
 def logged_sizes(run_dir: Path) -> tuple[list[int] | None, list[int] | None]:
@@ -589,6 +599,12 @@ def report(args: argparse.Namespace, result: dict[str, Any]) -> list[str]:
     for style, ratio in result.get("ratio", {}).items():
         lines.append(f"  fedbus / reference {style}: {ratio['median']:.2f} (median per round), "
                      f"{ratio['mean']:.2f} (mean), {ratio['total']:.2f} (total)")
+    if fb and fb.get("floor_ms"):
+        from fedbus.bench.common import FIGURE_HEAD, figure_line
+
+        lines += [FIGURE_HEAD, *(figure_line(f"{name[:30]}, median round", side["median_s"] * 1000,
+                                             fb["floor_ms"]) for name, side in rows),
+                  f"  ({fb['floor_pattern']})"]
     if fb and refs:
         names = ["fedbus", *refs]
         lines.append("  accuracy per round (acc / proto_acc): "
