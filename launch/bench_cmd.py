@@ -1,4 +1,6 @@
-"""`fedbus bench NAME`: benchmarks that print their figures (they are not tests)."""
+"""`fedbus bench NAME`: benchmarks that print their figures (they are not tests); each time
+is printed beside the raw-zmq floor measured in the same run (bench.common), so that a
+ratio, not a machine-bound time, is what moves between commits."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +14,9 @@ BENCHES = {
     "startup": ("startup", ("time to first task, first aggregation and stop of a 1-round "
                             "run, against one bare `import torch`")),
     "broker": ("broker", "broker throughput against a plain zmq.proxy (--curve: CURVE cost)"),
-    "rounds": ("rounds", "framework overhead per round with no-op training"),
+    "rounds": ("rounds", ("framework overhead per round with no-op training, each time as a "
+                          "ratio to the raw-zmq floor measured in the same run (--quick: "
+                          "CI's perf smoke)")),
     "stragglers": ("stragglers", "time to finish R rounds with deadline/async vs wait-for-all"),
     "accuracy": ("accuracy", "the algorithms' accuracy table on offline MNIST over seeds"),
     "reproduce": ("reproduce", ("one paper's table rerun offline at its settings, scaled "
