@@ -59,12 +59,14 @@ def check_inputs(cfg: Config) -> None:
     try:
         dataset_from_config(data_config(data), cfg.federation.seed)
     except _INPUT_ERRORS as err:
-        raise PreflightError(f"data.dataset = {data.dataset!r}: {err}") from None
+        raise PreflightError(f"data.dataset = {data.dataset!r}{cfg.origin('data.dataset')}: "
+                             f"{err}") from None
 
     try:
         federated_data(cfg)
     except _INPUT_ERRORS as err:
-        raise PreflightError(f"data.partition = {data.partition!r}: {err}") from None
+        raise PreflightError(f"data.partition = {data.partition!r}"
+                             f"{cfg.origin('data.partition')}: {err}") from None
 
     if cfg.log.tensorboard:
         from fedbus.record import MissingExtra

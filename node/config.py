@@ -508,9 +508,10 @@ def _keys_given(raw: Mapping[str, Any], overrides: Sequence[str]) -> set[str]:
 
 
 def inapplicable_keys(cfg: Config, given: Iterable[str]) -> list[str]:
-    """One line per partition for the [data] keys a config sets that its partition does
-    not read (ways and shots kept from an nway-kshot example under dirichlet). Which keys a
-    partition reads is the partitioner's own table, fedbus.node.data.partition.PARAMS."""
+    """One line for the [data] keys a config sets, to other than their defaults, that its
+    partition does not read (ways and shots kept from an nway-kshot example under
+    dirichlet); [] when there are none. Which keys a partition reads is the partitioner's
+    own table, fedbus.node.data.partition.PARAMS."""
     from fedbus.node.data.partition import PARAMS  # numpy only
 
     scheme = str(cfg.data.partition).strip()
@@ -518,13 +519,16 @@ def inapplicable_keys(cfg: Config, given: Iterable[str]) -> list[str]:
     if reads is None:  # an unknown partition is the partitioner's error to report
         return []
     partition_keys = {key for keys in PARAMS.values() for key in keys}
-    ignored = sorted(key for key in partition_keys - set(reads) if f"data.{key}" in given)
+    # a key at its default changes nothing (a --print-config copy lists every key)
+    ignored = sorted(key for key in partition_keys - set(reads) if f"data.{key}" in given
+                     and cfg.data[key] != SCHEMA["data"][key].default)
     if not ignored:
         return []
     users = sorted({p for p, keys in PARAMS.items() for key in ignored if key in keys})
     return [f"data.{', data.'.join(ignored)} {'is' if len(ignored) == 1 else 'are'} set but "
             f"data.partition = {scheme!r} does not read {'it' if len(ignored) == 1 else 'them'} "
-            f"(for {', '.join(users)}); ignored"]
+            f"({'it is' if len(ignored) == 1 else 'they are'} for {', '.join(users)}); "
+            f"ignored"]
 
 
 # Keys that name a file or folder, with the prefix their value may carry before it.

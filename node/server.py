@@ -402,7 +402,11 @@ class ServerNode:
     def _restore(self) -> None:
         ckpt = self.run.path / "checkpoint.fbk"
         if not ckpt.exists():
-            log.warning("resume asked but no checkpoint yet: starting from round 0")
+            # stopped between the first record and the first checkpoint: round 0 runs again,
+            # so its record goes, or metrics.jsonl holds it twice (found by `fedbus bench sim`)
+            dropped = self.run.keep_through(0)
+            log.warning("resume asked but no checkpoint yet: starting from round 0",
+                        records_dropped=dropped)
             return
         raw, state = restore_checkpoint(self.engine, ckpt)
         dropped = self.run.keep_through(self.engine.version)

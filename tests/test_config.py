@@ -144,3 +144,131 @@ def test_help_config_shows_the_values_a_run_uses_and_the_schema_default_beside()
                line.endswith(f"[left out of a CONFIG: {default}]") for line in out.splitlines())
     assert any(line.startswith("  lr = 0.2  #") for line in out.splitlines())
     assert out.splitlines()[0].startswith("# the values `fedbus run` uses with the embedded")
+
+
+@pytest.mark.parametrize("raw, overrides, suggestion", [
+    ({"federation": {"round": 3}}, [], "did you mean federation.rounds?"),
+    ({}, ["federation.round=3"], "did you mean federation.rounds?"),
+    ({}, ["train.batchsize=8"], "did you mean train.batch_size?"),
+    ({}, ["federation.lr=0.1"], "did you mean train.lr?"),  # the right key, wrong section
+    ({"fedration": {}}, [], "did you mean [federation]?"),
+    ({}, ["trian.lr=0.1"], "did you mean [train]?"),
+])
+def test_an_unknown_key_or_section_says_what_was_meant(raw, overrides, suggestion):
+    with pytest.raises(ConfigError) as err:
+        build_config(raw, overrides)
+    assert suggestion in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_an_algorithm_key_kept_from_another_method_names_whose_it_is():
+    with pytest.raises(ConfigError) as err:
+        build_config({"algorithm": {"name": "fedavg", "lam": 1.0}})
+    message = str(err.value)
+    assert message.startswith("unknown key algorithm.lam")  # what `fedbus sweep` reads
+    assert "lam is a parameter of" in message and "fedproto" in message
+    assert message.endswith("not of fedavg)")
+
+
+def test_nothing_is_suggested_for_a_key_like_no_other():
+    with pytest.raises(ConfigError) as err:
+        build_config({"federation": {"zzqx": 1}})
+    assert "did you mean" not in str(err.value)
+
+
+def _warnings_of(path=None, overrides=()):
+    import warnings
+
+    from fedbus.node.config import ConfigWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_config(path, overrides)
+    return cfg, [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
+
+
+def test_keys_the_partition_does_not_read_are_warned_about_in_one_line(tmp_path):
+    """An nway-kshot example switched to dirichlet keeps ways and shots: one line names
+    them and the partitions they are for."""
+    example = tmp_path / "mine.toml"
+    example.write_text('[data]\npartition = "dirichlet"\nalpha = 0.1\nways = 4\nshots = 60\n')
+    cfg, lines = _warnings_of(example)
+    assert cfg.data.partition == "dirichlet"
+    assert lines == ["data.shots, data.ways are set but data.partition = 'dirichlet' does "
+                     "not read them (they are for nway-kshot); ignored"]
+    _, lines = _warnings_of(None, ["data.partition=iid", "data.alpha=0.3"])
+    assert len(lines) == 1 and "data.alpha is set" in lines[0] and "dirichlet" in lines[0]
+    # the embedded default's own ways/shots are not the user's: switching partition is quiet
+    assert _warnings_of(None, ["data.partition=dirichlet"])[1] == []
+    # nor does a key at its default, as in a --print-config copy that lists every key
+    example.write_text('[data]\npartition = "iid"\nalpha = 0.5\nmin_samples = 10\n')
+    assert _warnings_of(example)[1] == []
+    assert _warnings_of(example, ["data.partition=dirichlet", "data.alpha=0.1"])[1] == []
+
+
+def test_the_partition_table_and_the_key_help_agree():
+    """Which partition reads which key is one table, partition.PARAMS; each key's help
+    names every partition that reads it, so --help-config tells the same story."""
+    from fedbus.node.config import SCHEMA
+    from fedbus.node.data.partition import PARAMS
+
+    for scheme, keys in PARAMS.items():
+        for key in keys:
+            assert key in SCHEMA["data"], key
+            if scheme != "file":
+                assert scheme in SCHEMA["data"][key].help.replace(" and ", ", "), (key, scheme)
+
+
+def test_a_path_not_found_says_where_it_looked_and_why(tmp_path, monkeypatch):
+    """A config file's relative path is read from the file's folder; the not-found error
+    prints the absolute paths tried and how the path was read; a --set path is read from
+    the working directory, and says so."""
+    from helpers import fedbus
+
+    folder = tmp_path / "exp"
+    folder.mkdir()
+    (folder / "c.toml").write_text('[data]\ndataset = "npz:../data/mnist.npz"\n')
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    cfg = load_config(folder / "c.toml")
+    assert cfg.data.dataset == "npz:../data/mnist.npz"  # also looked for under data_dir
+    assert str(tmp_path / "data" / "mnist.npz") in cfg.origin("data.dataset")
+    assert "relative to its folder" in cfg.origin("data.dataset")
+    out = fedbus("run", str(folder / "c.toml"), "--out", str(tmp_path / "run"), check=False,
+                 cwd=cwd, timeout=120)
+    assert out.returncode == 2
+    line = out.stderr.strip().splitlines()[-1]
+    assert "not found" in line and str(tmp_path / "data" / "mnist.npz") in line
+    assert "relative to its folder" in line and str(cwd / "../data/mnist.npz") not in line
+    out = fedbus("run", "--set", "data.partition=file:split.json", "--out",
+                 str(tmp_path / "run"), check=False, cwd=cwd, timeout=120)
+    line = out.stderr.strip().splitlines()[-1]
+    assert out.returncode == 2 and str(cwd / "split.json") in line
+    assert "a --set path, read relative to the working directory" in line
+
+
+def test_a_path_found_only_from_the_working_directory_gets_its_config_relative_form(
+        tmp_path, monkeypatch):
+    import numpy as np
+
+    folder = tmp_path / "exp"
+    folder.mkdir()
+    np.savez(tmp_path / "d.npz", x=np.zeros((4, 1, 2, 2), np.float32), y=np.arange(4))
+    (folder / "c.toml").write_text('[data]\ndataset = "npz:d.npz"\n')
+    monkeypatch.chdir(tmp_path)
+    cfg, lines = _warnings_of(folder / "c.toml")
+    assert cfg.data.dataset == "npz:d.npz"
+    assert len(lines) == 1 and "write 'npz:../d.npz'" in lines[0]
+
+
+def test_the_offline_examples_find_the_shared_data_beside_a_fresh_clone():
+    """examples/*.toml hold npz:../../shared/data/mnist-10k.npz: relative to the example's
+    folder, shared/ beside the clone (REPO/../shared), what README and docs/DATA.md say."""
+    repo = EXAMPLES[0].parent.parent
+    for path in EXAMPLES:
+        text = path.read_text()
+        if "mnist-10k.npz" in text.split("[data]", 1)[-1]:
+            assert 'dataset = "npz:../../shared/data/mnist-10k.npz"' in text, path.name
+            assert os.path.normpath(path.parent / "../../shared") == \
+                os.path.normpath(repo.parent / "shared")

@@ -189,7 +189,7 @@ def _resolve_npz(path: str, data_dir: str | None) -> Path:
         if c.is_file():
             return c.resolve()
     raise DatasetUnavailable(f"npz dataset not found: {path} (looked at "
-                             f"{', '.join(str(c) for c in candidates)})")
+                             f"{', '.join(os.path.abspath(c) for c in candidates)})")
 
 
 def _load_npz(path: str, data_dir: str | None) -> Dataset:

@@ -495,7 +495,7 @@ def load_partition(path: str | os.PathLike, dataset_size: int | None = None) -> 
     try:
         doc = json.loads(path.read_text())
     except FileNotFoundError:
-        raise PartitionError(f"partition file not found: {path}") from None
+        raise PartitionError(f"partition file not found: {os.path.abspath(path)}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise PartitionError(f"{path}: not valid JSON ({err})") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("clients"), list):
