@@ -27,6 +27,15 @@ seed gives the same schedule; the federation's own seed is --seed too, unless
                --link-loss: the kernel's netem, else the userspace impairer tests/netem.py);
                where that cannot be built, link faults are skipped with the reason printed
 
+Every fault fires on events, never after a wait in seconds, so a storm injects the same
+faults on a fast machine and a slow one: a fault is due once its round's record is in
+metrics.jsonl, and a process still down from an earlier fault is awaited (its restart),
+not skipped. Its aim is then an event too: after_metrics, the next record's line (inside the
+window before its checkpoint); after_update, the target node's next update leaving (its
+write counter jumps); mid_round, the next update leaving any node (a round under way). An
+aim whose event does not come before the next record fires there. Only how long a process
+stays down or stopped (hold_s) is in seconds: what the fault does, not whether it fires.
+
 At the end it replays the server's message log (the path `fedbus replay` takes) and checks,
 from the run's files:
 
@@ -122,7 +131,6 @@ class Fault:
     at_round: int  # fires once this many metrics records exist
     aim: str  # after_update | after_metrics | mid_round
     hold_s: float  # down (kill) or stopped (stop) this long
-    frac: float  # mid_round: this fraction of a round after the record
     injected: bool = False
     aimed: str = ""  # what the aim found
     fired_at_round: int = -1
@@ -165,8 +173,10 @@ def make_schedule(seed: int, rounds: int, n_faults: int, *, nodes: int, relay: b
         else:
             aim = "mid_round"
             hold = float(rng.uniform(0.1, 2.0))
-        faults.append(Fault(i, kind, target, int(r), aim, round(hold, 3),
-                            round(float(rng.uniform(0.05, 0.95)), 3)))
+        # (a mid-round fraction, once a wait in seconds: still drawn, so that every seed
+        # keeps the schedule it had)
+        rng.uniform(0.05, 0.95)
+        faults.append(Fault(i, kind, target, int(r), aim, round(hold, 3)))
     return faults
 
 
@@ -411,20 +421,12 @@ class Storm:
         self.metrics = fed.run / "metrics.jsonl"
         self.kills: list[dict] = []  # at each server kill: last metrics version, checkpoint's
         self.errors: list[str] = []
-        self.round_s = 0.5
         self.t0 = time.time()
         self.later: list[tuple[float, str, Any]] = []  # (when, "cont" | "start", what)
         self.down: set[str] = set()  # killed, restart pending
 
     def done_rounds(self) -> int:
         return _count_lines(self.metrics)
-
-    def recent_round_s(self) -> float:
-        """The median time between the last few records (start-up and restarts excluded as
-        far as they are rare), for mid-round aims."""
-        times = [float(r["time"]) for r in read_metrics(self.fed.run)[-6:] if "time" in r]
-        gaps = sorted(b - a for a, b in zip(times, times[1:]) if b > a)
-        return min(5.0, max(0.05, gaps[len(gaps) // 2])) if gaps else 0.5
 
     def server_finished(self) -> bool:
         p = self.fed.procs["server"]
@@ -475,7 +477,6 @@ class Storm:
                 break
             if self.server_finished():
                 break
-            self.round_s = self.recent_round_s()
             self.inject(fault)
             self.say(f"  fault {fault.i:>2} {fault.kind:<12} {fault.target:<8} at round "
                      f"{fault.fired_at_round:>4}: {fault.aimed}")
@@ -483,39 +484,55 @@ class Storm:
             self.errors.append(f"the run hung: {self.done_rounds()} of {self.rounds} rounds "
                                f"recorded after {self.timeout:.0f} s")
 
+    def _update_left(self, names: list[str]) -> bool:
+        """Waits, tending, for an update to leave one of `names` (its write counter in
+        /proc/PID/io jumps by an update's size), until the next record lands or the run
+        ends: whether one left."""
+        pids = [self.fed.procs[n].pid for n in names if self.fed.alive(n) and n not in self.down]
+        base = {pid: _wchar(pid) for pid in pids}
+        base = {pid: b for pid, b in base.items() if b is not None}
+        records = self.done_rounds()
+        while base and self.done_rounds() == records and not self.server_finished():
+            for pid, before in base.items():
+                now = _wchar(pid)
+                if now is not None and now - before >= 2048:  # an update (or its state)
+                    return True
+                if now is not None and now - before < 256:  # a heartbeat: a new baseline
+                    base[pid] = now
+            self.tend()
+            time.sleep(0.002)
+        return False
+
+    def _await_restart(self, target: str) -> bool:
+        """A target down from an earlier fault: wait (tending) for its restart, an event,
+        rather than skip the fault. False if the run ended first."""
+        while target in self.down and not self.server_finished():
+            self.tend()
+            time.sleep(0.005)
+        return target not in self.down
+
     def inject(self, f: Fault) -> None:
         fed = self.fed
-        if f.target in self.down or f.target not in fed.procs or not fed.alive(f.target):
-            f.note = f"{f.target} was not running (down from an earlier fault)"
+        if f.target in self.down and not self._await_restart(f.target):
+            f.note = f"the run ended while {f.target} was down from an earlier fault"
+            return
+        if f.target not in fed.procs or not fed.alive(f.target):
+            f.note = f"{f.target} was not running"
             return
         if f.aim == "after_metrics":
             # kill right as the next metrics line lands: between it and the checkpoint
-            size = self.metrics.stat().st_size
-            end = time.time() + 10 * self.round_s + 3 * self.deadline_s + 5
-            while time.time() < end and self.metrics.stat().st_size == size and \
-                    not self.server_finished():
+            records = self.done_rounds()
+            while self.done_rounds() == records and not self.server_finished():
                 self.tend()
                 time.sleep(0.001)
-            f.aimed = "killed as a metrics line landed" if \
-                self.metrics.stat().st_size != size else "no new metrics line: killed anyway"
+            f.aimed = "killed as a metrics line landed"
         elif f.aim == "after_update":
-            pid = fed.procs[f.target].pid
-            base = _wchar(pid)
-            end = time.time() + 10 * self.round_s + 3 * self.deadline_s + 5
-            hit = False
-            while base is not None and time.time() < end and not self.server_finished():
-                now = _wchar(pid)
-                if now is not None and now - base >= 2048:  # an update (or its state) went out
-                    hit = True
-                    break
-                base = now if now is not None and now - base < 256 else base
-                self.tend()
-                time.sleep(0.002)
-            f.aimed = "killed just after it wrote an update" if hit else \
-                "no update seen: killed anyway"
+            f.aimed = "killed just after it wrote an update" if \
+                self._update_left([f.target]) else "no update before the next record: killed there"
         else:
-            self._wait(lambda: False, f.frac * self.round_s, 0.005)
-            f.aimed = f"{f.frac:.2f} of a round after a record"
+            nodes = [n for n in fed.procs if n.startswith("node-")]
+            f.aimed = "after a record, as an update left a node" if \
+                self._update_left(nodes) else "at the next record"
         if self.server_finished():
             f.note = "the run ended first"
             return

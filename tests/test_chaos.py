@@ -214,14 +214,16 @@ def _args(**kw) -> argparse.Namespace:
 def test_a_short_storm_passes_every_invariant(tmp_path):
     """Broker, server, two nodes as real processes; a kill of a node (after its update), a
     stop of a node past the deadline, a broker restart and a server kill with --resume, in
-    a 14-round FedProto run: every invariant holds and nothing is left running."""
+    a 14-round FedProto run: every fault is injected (its triggers are events, so on any
+    machine), every invariant holds and nothing is left running."""
     args = _args(seed=3, rounds=14, faults=4, timeout=240.0, slow_factor=4.0, links="off")
     res = chaos.run_storm(args, mode="sync", relay=False, algorithm="fedproto",
                           out=tmp_path / "storm", say=lambda s: None)
     text = chaos.table(res)
     assert res["violations"] == [], text
+    assert all(f["injected"] for f in res["faults"]), text
     injected = {k for k, row in res["by_kind"].items() if row["injected"]}
-    assert len(injected) >= 3, text
+    assert len(injected) == 4, text
     assert res["rounds_completed"] == 14, text
     assert res["history"]["resumes"] >= ("server_kill" in injected), text
 
@@ -249,8 +251,8 @@ def test_an_async_server_killed_while_an_evaluation_waits_loses_no_record(tmp_pa
     soon as a later record lands."""
     from fedbus.bench.chaos import Fault
 
-    faults = [Fault(0, "node_stop", "node-0", 9, "mid_round", 3.5, 0.0),
-              Fault(1, "server_kill", "server", 10, "mid_round", 0.3, 0.0)]
+    faults = [Fault(0, "node_stop", "node-0", 9, "mid_round", 3.5),
+              Fault(1, "server_kill", "server", 10, "mid_round", 0.3)]
     args = _args(seed=5, rounds=16, timeout=240.0, slow_factor=4.0, links="off")
     res = chaos.run_storm(args, mode="async", relay=False, algorithm="fedavg",
                           out=tmp_path / "storm", say=lambda s: None, faults=faults)
