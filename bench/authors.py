@@ -273,21 +273,24 @@ def read_export(folder: Path) -> tuple[dict[str, Any], list[dict[str, np.ndarray
 def fedbus_side(cfg: dict[str, dict[str, Any]], out: Path) -> dict[str, Any]:
     """One real `fedbus run`: per round the two accuracies and the seconds from the server's
     first task to the last evaluation result (round_s + eval_s)."""
-    from fedbus.bench.common import run
+    from fedbus.bench.common import floor_figures, run
 
     res = run(cfg, cfg["algorithm"]["name"], out=out, timeout=3600)
     records = sorted((r for r in res.records if "acc_mean" in r), key=lambda r: r["round"])
+    seconds = [float(r["round_s"]) + float(r.get("eval_s", 0.0)) for r in records]
     return {"run_dir": str(res.run_dir),
             "acc_mean": [float(r["acc_mean"]) for r in records],
             "acc_weighted": [float(r.get("acc_weighted", math.nan)) for r in records],
             "round_s": [float(r["round_s"]) for r in records],
             "eval_s": [float(r.get("eval_s", 0.0)) for r in records],
-            "seconds": [float(r["round_s"]) + float(r.get("eval_s", 0.0)) for r in records],
+            "seconds": seconds,
             "failed": [int(r.get("failed", 0)) for r in records],
             "run_wall_s": res.wall_s,
             # CPU seconds of the run's processes by role, start-up included (a busy machine
             # stretches wall seconds more than CPU seconds)
-            "cpu_s": cpu_by_role(getattr(res, "cpu_by_pid", {}))}
+            "cpu_s": cpu_by_role(getattr(res, "cpu_by_pid", {})),
+            **floor_figures(res, int(cfg.get("launch", {}).get("nodes", 1)),
+                            statistics.median(seconds) * 1000 if seconds else None)}
 
 
 def cpu_by_role(cpu_by_pid: dict[int, tuple[str, float]]) -> dict[str, float]:
@@ -369,6 +372,13 @@ def table(method: str, fb: dict[str, Any] | None, ref: dict[str, Any] | None) ->
                      f"fedbus / authors: {ratio:.2f}")
     if fb and any(fb.get("failed", [])):
         lines.append(f"  WARNING: fedbus rounds lost updates ({fb['failed']})")
+    if fb and fb.get("floor_ms"):  # a --fedbus-json from before the floor has none
+        from fedbus.bench.common import floor_lines
+
+        rows = [("fedbus, median round", statistics.median(fb_s) * 1000 if fb_s else None)]
+        if ref_s:
+            rows.append(("authors' code, median round", statistics.median(ref_s) * 1000))
+        lines += floor_lines(rows, fb)
     return lines
 
 

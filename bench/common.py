@@ -393,3 +393,16 @@ def run_floor(summary: dict[str, Any], records: list[dict[str, Any]], nodes: int
     tasks = sum(per_round)
     return zmq_floor(round(tasks / len(per_round)), int(summary.get("bytes_down", 0) / tasks),
                      int(summary.get("bytes_up", 0) / tasks), nodes=nodes, repeats=repeats)
+
+
+def floor_figures(res: Finished, nodes: int, ms: float | None) -> dict[str, Any]:
+    """A run's --json floor keys for its figure of `ms`: floor_ms, ratio and floor_pattern
+    (what the floor measured), the floor of one of its rounds measured now."""
+    floor = run_floor(res.summary, res.records, nodes)
+    return {**floor.figures(ms), "floor_pattern": floor.describe()}
+
+
+def floor_lines(rows: list[tuple[str, float | None]], figures: dict[str, Any]) -> list[str]:
+    """floor_table's lines for (label, ms) rows against floor_figures' `figures`."""
+    return [FIGURE_HEAD, *(figure_line(label, ms, figures["floor_ms"]) for label, ms in rows),
+            f"  ({figures['floor_pattern']})"]

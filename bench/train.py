@@ -224,7 +224,7 @@ def fedbus_side(cfg: dict[str, dict[str, Any]], out: Path,
                 name: str = "fedbus") -> dict[str, Any]:
     """One real `fedbus run` of cfg: per-round times and accuracies from its metrics,
     and the partition its nodes trained and tested on (from the server's message log)."""
-    from fedbus.bench.common import run, watch, write_toml
+    from fedbus.bench.common import floor_figures, run, watch, write_toml
     from fedbus.node.lifetime import fedbus_command
 
     if cfg.get("log", {}).get("level") == "info":  # run() quiets the processes to warnings
@@ -251,16 +251,8 @@ def fedbus_side(cfg: dict[str, dict[str, Any]], out: Path,
             "node_cpu_s": sum(sec for role, sec in getattr(res, "cpu_by_pid", {}).values()
                               if role == "node") or None,
             **summary_stats(per_round),
-            **floor_figures(res, cfg, statistics.median(per_round) * 1000 if per_round else None)}
-
-
-def floor_figures(res, cfg: dict[str, dict[str, Any]], median_ms: float | None) -> dict:
-    """floor_ms, ratio (the median round over it) and floor_pattern: the raw-zmq floor
-    of one of the run's rounds of messages, measured now (bench.common.run_floor)."""
-    from fedbus.bench.common import run_floor
-
-    floor = run_floor(res.summary, res.records, int(cfg.get("launch", {}).get("nodes", 1)))
-    return {**floor.figures(median_ms), "floor_pattern": floor.describe()}
+            **floor_figures(res, int(cfg.get("launch", {}).get("nodes", 1)),
+                            statistics.median(per_round) * 1000 if per_round else None)}
 
 
 def logged_sizes(run_dir: Path) -> tuple[list[int] | None, list[int] | None]:
@@ -600,11 +592,10 @@ def report(args: argparse.Namespace, result: dict[str, Any]) -> list[str]:
         lines.append(f"  fedbus / reference {style}: {ratio['median']:.2f} (median per round), "
                      f"{ratio['mean']:.2f} (mean), {ratio['total']:.2f} (total)")
     if fb and fb.get("floor_ms"):
-        from fedbus.bench.common import FIGURE_HEAD, figure_line
+        from fedbus.bench.common import floor_lines
 
-        lines += [FIGURE_HEAD, *(figure_line(f"{name[:30]}, median round", side["median_s"] * 1000,
-                                             fb["floor_ms"]) for name, side in rows),
-                  f"  ({fb['floor_pattern']})"]
+        lines += floor_lines([(f"{name[:30]}, median round", side["median_s"] * 1000)
+                              for name, side in rows], fb)
     if fb and refs:
         names = ["fedbus", *refs]
         lines.append("  accuracy per round (acc / proto_acc): "
