@@ -27,13 +27,17 @@ from fedbus.node.lifetime import die_with_parent, fedbus_command
 
 EXAMPLES = """\
 examples:
-  fedbus sweep examples/fedproto-mnist-offline.toml --seeds 3 \\
+  fedbus sweep examples/fedavg-mnist-offline.toml --seeds 3 \\
       --grid algorithm.name=fedavg,fedproto --out runs/cmp        # 2 x 3 runs
-  fedbus sweep --set data.dataset=digits --set federation.rounds=5 \\
-      --grid algorithm.name=fedavg,fedprox --grid train.lr=0.01,0.05 --seeds 0,1 --out runs/lr
-  fedbus sweep CONFIG --grid 'model.group=["cnn","cnn4"],["cnn"]' --seeds 2 --out runs/g
-  fedbus sweep ... --out runs/cmp              # again: complete runs are skipped
+  fedbus sweep --set federation.rounds=5 --grid algorithm.name=fedavg,fedprox \\
+      --grid train.lr=0.01,0.05 --seeds 0,1 --out runs/lr          # 2 x 2 x 2 runs
+  fedbus sweep --grid 'model.group=["cnn","cnn4"],["cnn"]' --seeds 2 --out runs/g
   fedbus table runs/cmp --baseline fedavg      # then: mean, std, paired difference
+
+The same sweep command again continues it: complete runs are skipped. With a grid over
+algorithm.name, the CONFIG's [algorithm] keys must suit every algorithm of the grid:
+examples/fedavg-mnist-offline.toml sets algorithm.name alone; fedproto-mnist-offline.toml
+also sets lam, FedProto's, which a FedAvg run refuses (give such a key with --grid too).
 
 --seeds N runs federation.seed = 0 .. N-1; a list (0,1,2, or 7, for seed 7 alone) or
 a range (3-5) runs those seeds; without --seeds, the config's own seed. Runs are named

@@ -20,7 +20,8 @@ EXAMPLES = """\
 examples:
   fedbus table runs/cmp                                   # a sweep: grouped by its grid
   fedbus table runs/cmp --baseline fedavg                 # + paired difference, 95 % CI
-  fedbus table runs/a-s0 runs/a-s1 runs/b-s0 runs/b-s1 --group-by algorithm.name
+  fedbus table runs/cmp/fedavg-s0 runs/cmp/fedavg-s1 runs/cmp/fedproto-s0 \\
+      runs/cmp/fedproto-s1 --group-by algorithm.name      # chosen runs, seeds 0 and 1
   fedbus table runs/lr --group-by algorithm.name --group-by train.lr --baseline fedavg \\
       --metric acc --metric best.acc --metric wall_s --csv lr.csv --markdown lr.md
 
