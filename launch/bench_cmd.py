@@ -37,6 +37,9 @@ BENCHES = {
     "chaos": ("chaos", ("a long federation under a seeded storm of kills and stops (nodes, "
                         "broker, relay, server with --resume); invariants checked from the "
                         "run's files at the end")),
+    "sim": ("sim", ("many seeds of a deterministic simulation of the whole federation (one "
+                    "process, simulated clock and network, seeded faults), every invariant "
+                    "checked; seeds per second and each violating seed's replay command")),
     "secagg": ("secagg", ("time and bytes per round at 10, 100 and 1,000 clients with and "
                           "without secure aggregation (no-op training), the secure round's "
                           "phases, against the issue's target")),

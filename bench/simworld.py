@@ -1,0 +1,795 @@
+"""A deterministic simulation of a whole federation in one process (`fedbus bench sim`).
+
+FoundationDB's simulation testing and TigerBeetle's VOPR, for fedbus: one seed draws a
+federation's network (latency, jitter, drops, duplicates, reordering), its faults (node,
+server and broker kills with restarts, node stops, link cuts) and its stragglers, and the
+production code runs under it on a simulated clock, one event at a time. The same seed
+replays bit for bit: every frame delivered, every fault, in the same order, at the same
+simulated instant (`World.trace`, a SHA-256 over them).
+
+What runs is production code, driven:
+  server   fedbus.node.server.ServerNode (its RunDir, metrics, checkpoint, resume from the
+           checkpoint file with `_restore`, `_emit`'s send/record/checkpoint/shutdown order,
+           `_finish`'s summary), the engine through `judge`/`take`/`on_tick`
+  nodes    fedbus.node.client_host.ClientNode.handle (configure, the pool, the real client
+           handlers, client states saved and restored through ClientStateStore)
+  peers    fedbus.broker.peer.Peer: `send` (sequencing, encoding), `_drain_socket`
+           (header checks, duplicate detection), `_timers` (heartbeats, acks, silence,
+           reconnection with backoff, re-registration, stale resends), `_connect`,
+           `_register`, `_on_ready`'s resend of everything unacknowledged
+  broker   fedbus.broker.broker.Broker.dispatch (registration, routing, parking, refusals,
+           join/leave to the server, the shutdown kept for late nodes), `purge_dead`,
+           `send_heartbeats`, `expire_parked`
+and every message crosses the simulated network as the two real msgpack frames.
+
+What stands in (see docs/RELIABILITY.md, "Simulation"):
+  - the sockets: SimSocket replaces the Peer's DEALER and the Broker's ROUTER send (its
+    zmq socket is bound to an unused inproc address); the event loop here replaces
+    ServerNode.serve's and ClientNode.serve's loops (their bodies are mirrored: judge,
+    take or on_refused, _emit; handle, shutdown), Peer._io_step's poll and Broker.run's
+    poll and timer loop;
+  - time: the modules' `time` (server, client_host, peer, broker) is this world's clock
+    while a simulation runs, and a LocalRun's clock is too (a task's compute time is drawn
+    from the seed instead of measured);
+  - a node's outputs leave when its simulated compute time has passed (HeldSends).
+"""
+from __future__ import annotations
+
+import hashlib
+import heapq
+import itertools
+import shutil
+import tempfile
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zmq
+
+EPOCH = 1_700_000_000.0  # the simulated wall clock's zero
+HEARTBEAT_S, LIVENESS = 1.0, 3
+SNDMORE = zmq.SNDMORE
+# kinds a lossy link may drop or a resending peer duplicate (the rest ride on connection
+# state: a lost join or shutdown is a lost connection, which the link cut models)
+LOSSY = frozenset({"task", "update", "eval", "eval_result", "config", "ack", "heartbeat"})
+DUPLICABLE = frozenset({"task", "update", "eval", "eval_result", "config"})
+FAULT_KINDS = ("node_kill", "node_stop", "link_cut", "server_kill", "server_kill_at_checkpoint",
+               "broker_kill")
+
+
+class SimClock:
+    """The simulated clock, standing in for the `time` module of the driven modules."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def time(self) -> float:
+        return EPOCH + self.t
+
+    def monotonic(self) -> float:
+        return self.t
+
+    perf_counter = monotonic
+
+    def sleep(self, seconds: float) -> None:  # only reachable from a loop the world replaces
+        raise RuntimeError("nothing sleeps in a simulation")
+
+
+_AGAIN = zmq.Again()
+
+
+class SimFrame(bytes):
+    """A received frame as the Peer reads one from zmq (`.more`, `.bytes`)."""
+
+    more = False
+
+    @property
+    def bytes(self) -> bytes:
+        return bytes(self)
+
+
+class SimSocket:
+    """A Peer's DEALER socket: what it sends goes to the world's network; what the network
+    delivers waits in `inbox` for the Peer's `_drain_socket`."""
+
+    def __init__(self, world: World, owner: str):
+        self.world, self.owner = world, owner
+        self.inbox: list[SimFrame] = []
+        self.open = True
+        self._out: list[bytes] = []
+
+    def setsockopt(self, *a: Any) -> None:
+        pass
+
+    def getsockopt(self, *a: Any) -> int:
+        return 0
+
+    def connect(self, endpoint: str) -> None:
+        self.world.conns[self.owner] = self
+
+    def send(self, frame: Any, flags: int = 0, copy: bool = True, track: bool = False) -> None:
+        self._out.append(bytes(frame))
+        if not flags & SNDMORE:
+            frames, self._out = self._out, []
+            self.world.transmit(self.owner, "broker", frames, self)
+
+    def recv(self, flags: int = 0, copy: bool = True) -> SimFrame:
+        if not self.inbox:
+            raise _AGAIN.with_traceback(None)  # (one instance: zmq's costs a stack format)
+        return self.inbox.pop(0)
+
+    def close(self, linger: int | None = None) -> None:
+        self.open = False
+        if self.world.conns.get(self.owner) is self:
+            del self.world.conns[self.owner]
+
+
+class SimContext:
+    def __init__(self, world: World, owner: str):
+        self.world, self.owner = world, owner
+
+    def socket(self, kind: int) -> SimSocket:
+        return SimSocket(self.world, self.owner)
+
+    def term(self) -> None:
+        pass
+
+
+class BrokerTap:
+    """The Broker's raw send: [routing id, header, body] to the network."""
+
+    def __init__(self, world: World, broker: Any):
+        self.world, self.broker = world, broker
+        self._out: list[bytes] = []
+
+    def send(self, frame: Any, flags: int = 0, copy: bool = True, track: bool = False) -> None:
+        self._out.append(bytes(frame))
+        if not flags & SNDMORE:
+            (rid, *frames), self._out = self._out, []
+            self.world.transmit("broker", rid.decode(), frames, self.broker)
+
+
+class HeldSends:
+    """A node's Peer as its ClientNode sees it: sends wait until the node's simulated
+    compute time for the message it handles has passed, then go to the real Peer."""
+
+    def __init__(self, peer: Any):
+        self.peer = peer
+        self.held: list[tuple] = []
+
+    @property
+    def run(self) -> str:
+        return self.peer.run
+
+    @run.setter
+    def run(self, value: str) -> None:
+        self.peer.run = value
+
+    def send(self, kind: str, dst: str, body: Any, **kw: Any) -> Any:
+        from fedbus.broker.wire import Message
+
+        self.held.append((kind, dst, body, kw))
+        return Message(kind, kw.get("src") or "", dst, body)
+
+    def release(self) -> None:
+        held, self.held = self.held, []
+        for kind, dst, body, kw in held:
+            self.peer.send(kind, dst, body, **kw)
+        self.peer._take_outgoing()
+
+
+@dataclass
+class Fault:
+    kind: str
+    target: str
+    at_version: int  # armed once the server has this many aggregations
+    delay_s: float  # then fires this much later
+    hold_s: float  # down, stopped or cut this long
+    fired_at: float = -1.0
+    note: str = ""
+
+
+@dataclass
+class SimResult:
+    seed: int
+    trace: str
+    violations: list = field(default_factory=list)
+    faults: list = field(default_factory=list)
+    events: int = 0
+    frames: int = 0
+    dropped: int = 0
+    duplicated: int = 0
+    rounds_done: int = 0
+    sim_s: float = 0.0
+
+    @property
+    def faults_fired(self) -> int:
+        return sum(1 for f in self.faults if f.fired_at >= 0)
+
+
+class SimKilled(Exception):
+    """The party died inside a step (a kill aimed between metrics and checkpoint)."""
+
+
+@contextmanager
+def simulated_time(clock: SimClock):
+    """The driven modules read `clock` for `time` while the simulation runs; a LocalRun's
+    compute-time clock is frozen at the simulated instant (compute time is drawn instead)."""
+    from fedbus.broker import broker as broker_mod
+    from fedbus.broker import peer as peer_mod
+    from fedbus.node import client_host
+    from fedbus.node import server as server_mod
+
+    mods = (broker_mod, peer_mod, client_host, server_mod)
+    saved = [m.time for m in mods]
+    real_make_run = client_host.make_run
+
+    def make_run(handler: Any, body: dict) -> Any:
+        run = real_make_run(handler, body)
+        run.clock = clock.monotonic
+        run._start = run.clock()
+        return run
+
+    for m in mods:
+        m.time = clock
+    client_host.make_run = make_run
+    try:
+        yield
+    finally:
+        for m, t in zip(mods, saved):
+            m.time = t
+        client_host.make_run = real_make_run
+
+
+def sim_config(seed: int, *, clients: int, rounds: int, algorithm: str = "noop") -> dict:
+    """The simulated federation's config: small, sync, stragglers folded."""
+    return {
+        "federation": {"clients": clients, "rounds": rounds, "fraction": 1.0, "seed": seed,
+                       "deadline_s": 1.5, "hard_deadline_s": 8.0, "min_updates": 1,
+                       "min_clients": 1, "late": "fold", "eval_every": 1,
+                       "start_timeout_s": 4.0},
+        "data": {"dataset": "digits", "partition": "iid", "test_fraction": 0.25},
+        "model": {"arch": "mlp"},
+        "algorithm": {"name": algorithm},
+        "train": {"epochs": 1, "cohort": "off"},
+        "launch": {"nodes": 2, "threads": 1},
+        "bus": {"heartbeat_s": HEARTBEAT_S, "liveness": LIVENESS},
+        "log": {"messages": False, "level": "error"},
+    }
+
+
+class World:
+    """One seed's federation: a broker, a server, client nodes, a network, a clock."""
+
+    def __init__(self, seed: int, *, faults: int = 3, rounds: int = 6, clients: int = 4,
+                 nodes: int = 2, algorithm: str = "noop", workdir: Path | None = None,
+                 horizon_s: float = 900.0, record: Callable[[str], None] | None = None):
+        from fedbus.node.config import build_config
+
+        self.seed = seed
+        self.rng = np.random.default_rng(np.random.SeedSequence([seed, 0x51A]))
+        self.clock = SimClock()
+        self.rounds, self.horizon_s = rounds, horizon_s
+        self.raw_cfg = sim_config(seed, clients=clients, rounds=rounds, algorithm=algorithm)
+        self.cfg = build_config(self.raw_cfg)
+        self.run_id = f"sim{seed:08x}"
+        if workdir is None and Path("/dev/shm").is_dir():
+            workdir = Path("/dev/shm")  # in memory: the run's fsyncs cost nothing
+        self.tmp = Path(tempfile.mkdtemp(prefix=f"fedbus-sim-{seed}-", dir=workdir))
+        self.run_dir = self.tmp / "run"
+        self.state_dir = self.tmp / "states"
+        self.say = record
+        self._events: list = []
+        self._order = itertools.count()
+        self._incs = itertools.count(1)
+        self.sha = hashlib.sha256()
+        self.conns: dict[str, SimSocket] = {}
+        self.cut: dict[str, float] = {}  # party -> when its link to the broker is up again
+        self.stopped: dict[str, float] = {}  # party -> when a stopped process resumes
+        self.held_links: list[tuple] = []  # frames waiting for a cut link to heal
+        self._link_last: dict[tuple[int, int], float] = {}  # connection -> its last arrival
+        # the network, drawn per seed
+        self.latency_s = float(self.rng.uniform(0.0005, 0.005))
+        self.jitter_s = float(self.rng.uniform(0.0, 0.02))
+        self.p_drop = float(self.rng.choice([0.0, 0.01, 0.05]))
+        self.p_dup = float(self.rng.choice([0.0, 0.02, 0.1]))
+        self.task_s = float(self.rng.uniform(0.1, 0.6))
+        self.slow = {int(c) for c in self.rng.choice(clients, size=int(self.rng.integers(0, 2)),
+                                                      replace=False)}
+        self.node_clients = {f"n{i}": [c for c in range(clients) if c % nodes == i]
+                             for i in range(nodes)}
+        self.faults = self._schedule(faults, nodes)
+        # the history the chaos invariants read (fedbus.bench.chaos.read_history's format)
+        self.history: list[dict] = []
+        self.kills: list[dict] = []
+        self.problems: list[str] = []
+        self.n_frames = self.n_dropped = self.n_dup = 0
+        self.broker = None
+        self.server: SimServer | None = None
+        self.nodes: dict[str, SimNode] = {}
+        self.exited: dict[str, int] = {}  # party -> exit code
+        self.server_rc: int | None = None
+
+    # ------------------------------------------------------------------ schedule
+
+    def _schedule(self, n: int, nodes: int) -> list[Fault]:
+        out = []
+        for _ in range(n):
+            kind = str(self.rng.choice(FAULT_KINDS))
+            target = {"server_kill": "server", "server_kill_at_checkpoint": "server",
+                      "broker_kill": "broker"}.get(kind) or f"n{int(self.rng.integers(nodes))}"
+            out.append(Fault(kind, target, int(self.rng.integers(0, max(1, self.rounds - 1))),
+                             float(self.rng.uniform(0.0, 2.0)),
+                             float(self.rng.uniform(0.5, 3 * HEARTBEAT_S * LIVENESS))))
+        return sorted(out, key=lambda f: (f.at_version, f.delay_s))
+
+    # ------------------------------------------------------------------ events
+
+    def at(self, t: float, fn: Callable, *args: Any) -> None:
+        heapq.heappush(self._events, (t, next(self._order), fn, args))
+
+    def note(self, *parts: Any) -> None:
+        self.sha.update(repr((round(self.clock.t, 9), *parts)).encode())
+
+    def new_inc(self) -> int:
+        return (self.seed << 20 | next(self._incs)) & ((1 << 63) - 1) or 1
+
+    def transmit(self, src: str, dst: str, frames: list[bytes], via: Any) -> None:
+        """A frame pair leaves `src` for `dst` (the broker, or a party from the broker)."""
+        from fedbus.broker.wire import header_fields
+
+        try:
+            kind = header_fields(frames[0])[0]
+        except ValueError:
+            kind = "?"
+        party = dst if src == "broker" else src
+        target = self.conns.get(dst) if src == "broker" else self.broker
+        if target is None:
+            return  # no connection: zmq would refuse or drop it
+        copies = 1
+        if kind in LOSSY and self.rng.random() < self.p_drop:
+            self.n_dropped += 1
+            return
+        if kind in DUPLICABLE and self.rng.random() < self.p_dup:
+            copies = 2
+            self.n_dup += 1
+        for i in range(copies):
+            delay = self.latency_s + float(self.rng.exponential(self.jitter_s or 1e-6))
+            if i:
+                delay += float(self.rng.uniform(0.0, 0.3))  # a resend, later
+            self.at(self._fifo(via, target, self.clock.t + delay), self._deliver, src, dst,
+                    party, frames, target, via, bool(i), False)
+
+    def _fifo(self, via: Any, target: Any, t: float) -> float:
+        """A connection is a TCP stream: what one end sends arrives in order (messages
+        reorder across connections, and a resend arrives after what was sent before it)."""
+        key = (id(via), id(target))
+        t = max(t, self._link_last.get(key, 0.0))
+        self._link_last[key] = t
+        return t
+
+    def _live(self, via: Any) -> bool:
+        return via.open if isinstance(via, SimSocket) else via is self.broker
+
+    def _deliver(self, src: str, dst: str, party: str, frames: list[bytes], target: Any,
+                 via: Any, copy: bool, held: bool) -> None:
+        if self.cut.get(party, -1.0) > self.clock.t:
+            self.held_links.append((src, dst, party, frames, target, via, copy, True))
+            return
+        if (copy or held) and not self._live(via):
+            # a resend comes from a live connection only; what a cut link held dies with
+            # the connection that sent it (a socket closed with linger 0 resets it)
+            return
+        if dst == "broker":
+            if target is not self.broker:
+                return  # that broker is gone
+            self.n_frames += 1
+            self.note("deliver", src, dst, frames[0], hashlib.sha256(frames[1]).digest())
+            self.broker.now = self.clock.monotonic()
+            self.broker.dispatch(src.encode(), frames[0], frames[1])
+            return
+        if self.conns.get(dst) is not target or not target.open:
+            return  # that connection was closed: what was in flight is lost
+        if self.stopped.get(dst, -1.0) > self.clock.t:
+            self.at(self.stopped[dst], self._deliver, src, dst, party, frames, target, via,
+                    copy, held)
+            return
+        self.n_frames += 1
+        self.note("deliver", src, dst, frames[0], hashlib.sha256(frames[1]).digest())
+        hdr = SimFrame(frames[0])
+        hdr.more = True
+        target.inbox += [hdr, SimFrame(frames[1])]
+        party_obj = self.server if dst == "server" else self.nodes.get(dst)
+        if party_obj is not None and party_obj.peer._sock is target:
+            party_obj.peer._drain_socket()
+            party_obj.wake()
+
+    def heal(self, party: str) -> None:
+        self.note("heal", party)
+        held, self.held_links = self.held_links, []
+        for item in held:
+            if item[2] == party:
+                self.at(self._fifo(item[5], item[4], self.clock.t + self.latency_s),
+                        self._deliver, *item)
+            else:
+                self.held_links.append(item)
+
+    # ------------------------------------------------------------------ parties
+
+    def start_broker(self) -> None:
+        from fedbus.broker.broker import Broker
+
+        if self.broker is not None:
+            self.broker.close()
+        b = Broker(f"inproc://fedbus-sim-{id(self)}-{self.clock.t}", heartbeat_s=HEARTBEAT_S,
+                   liveness=LIVENESS, grace_s=4 * HEARTBEAT_S * LIVENESS)
+        b.inc = self.new_inc()
+        b._send = BrokerTap(self, b).send
+        b._croute = None
+        b.started = b.now = self.clock.monotonic()
+        self.broker = b
+        self.note("broker_up", b.inc)
+        self.at(self.clock.t + HEARTBEAT_S, self._broker_timers, b)
+
+    def _broker_timers(self, b: Any) -> None:
+        """Broker.run's timer part, on the simulated clock."""
+        if b is not self.broker:
+            return
+        b.now = self.clock.monotonic()
+        if b.backlogged:
+            b.flush_pending()
+        if b._reg_held and b.now >= b._next_reg_flush:
+            b.flush_held_registrations()
+        b.send_heartbeats()
+        if b.now >= b.no_purge_until:
+            b.purge_dead()
+        b.expire_parked()
+        self.at(self.clock.t + HEARTBEAT_S, self._broker_timers, b)
+
+    def make_peer(self, name: str, **kw: Any) -> Any:
+        from fedbus.broker.peer import Peer
+
+        peer = Peer("sim://broker", name, heartbeat_s=HEARTBEAT_S, liveness=LIVENESS, **kw)
+        peer.inc = self.new_inc()
+        peer._ctx = SimContext(self, name)
+        peer._connect()
+        return peer
+
+    def peer_timers(self, party: Any) -> None:
+        """Peer._io_step's timer part, on the simulated clock."""
+        if not party.alive:
+            return
+        peer = party.peer
+        now = self.clock.monotonic()
+        if self.stopped.get(party.name, -1.0) > self.clock.t:
+            self.at(self.stopped[party.name], self.peer_timers, party)
+            return
+        peer._take_outgoing()
+        peer._timers(now)
+        if peer._sock is not None and peer._sock.inbox:
+            peer._drain_socket()
+            party.wake()
+        self.at(max(peer._next_deadline(now), now + 0.01), self.peer_timers, party)
+
+    # ------------------------------------------------------------------ faults
+
+    def arm_faults(self, version: int) -> None:
+        for f in self.faults:
+            if f.fired_at < 0 and not f.note and f.at_version <= version:
+                f.note = "armed"
+                self.at(self.clock.t + f.delay_s, self._fire, f)
+
+    def _fire(self, f: Fault) -> None:
+        if self.server is None and self.server_rc is not None:
+            f.note = "the run ended first"
+            return
+        f.fired_at = self.clock.t
+        self.note("fault", f.kind, f.target)
+        if self.say:
+            self.say(f"  t={self.clock.t:8.3f}  {f.kind} {f.target} (hold {f.hold_s:.2f} s)")
+        if f.kind == "node_kill":
+            node = self.nodes.get(f.target)
+            if node is None or not node.alive:
+                f.note = "target already down"
+                return
+            node.kill()
+            self.at(self.clock.t + f.hold_s, self.start_node, f.target)
+        elif f.kind == "node_stop":
+            self.stopped[f.target] = self.clock.t + f.hold_s
+        elif f.kind == "link_cut":
+            self.cut[f.target] = self.clock.t + f.hold_s
+            self.at(self.clock.t + f.hold_s, self.heal, f.target)
+        elif f.kind == "server_kill":
+            if self.server is None:
+                f.note = "target already down"
+                return
+            self.kill_server(f)
+        elif f.kind == "server_kill_at_checkpoint":
+            if self.server is None:
+                f.note = "target already down"
+                return
+            if self.server.die_at_checkpoint is not None:
+                f.fired_at, f.note = -1.0, "a kill at the checkpoint was armed already"
+                return
+            self.server.die_at_checkpoint = f
+        elif f.kind == "broker_kill":
+            old = self.broker
+            if old is None:
+                f.note = "target already down"
+                return
+            self.broker = None
+            old.close()
+            self.at(self.clock.t + f.hold_s, self.start_broker)
+
+    def kill_server(self, f: Fault) -> None:
+        from fedbus.bench.chaos import _checkpoint_version, read_metrics
+
+        srv = self.server
+        srv.kill()
+        self.server = None
+        self.kills.append({"fault": self.faults.index(f), "metrics_version":
+                           max([int(r.get("version", 0)) for r in read_metrics(self.run_dir)],
+                               default=0),
+                           "metrics_versions": [int(r.get("version", 0))
+                                                for r in read_metrics(self.run_dir)],
+                           "checkpoint_version": _checkpoint_version(self.run_dir)})
+        self.at(self.clock.t + f.hold_s, self.start_server, True)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start_server(self, resume: bool) -> None:
+        self.server = SimServer(self, resume)
+
+    def start_node(self, name: str) -> None:
+        self.nodes[name] = SimNode(self, name, self.node_clients[name])
+
+    def run(self) -> SimResult:
+        from fedbus.node import server as server_mod
+
+        with simulated_time(self.clock):
+            self.start_broker()
+            self.start_server(False)
+            for name in self.node_clients:
+                self.start_node(name)
+            n = 0
+            while self._events and not self.finished():
+                t, _, fn, args = heapq.heappop(self._events)
+                if t > self.horizon_s:
+                    self.problems.append(f"the run did not end within {self.horizon_s:.0f} "
+                                         "simulated seconds")
+                    break
+                self.clock.t = max(self.clock.t, t)
+                fn(*args)
+                n += 1
+            for node in self.nodes.values():
+                if node.alive:
+                    self.problems.append(f"node {node.name} never took the shutdown")
+                    node.kill()
+            if self.server is not None:
+                self.server.kill()
+            if self.broker is not None:
+                self.broker.close()
+        del server_mod  # (imported for its patched clock's lifetime only)
+        res = SimResult(self.seed, self.sha.hexdigest(), faults=self.faults, events=n,
+                        frames=self.n_frames, dropped=self.n_dropped, duplicated=self.n_dup,
+                        sim_s=self.clock.t)
+        from fedbus.bench.simcheck import check_world
+
+        res.violations = check_world(self)
+        res.rounds_done = self.rounds_done
+        return res
+
+    def finished(self) -> bool:
+        return self.server is None and self.server_rc is not None and \
+            all(not n.alive for n in self.nodes.values())
+
+    def close(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+class SimServer:
+    """ServerNode under the simulation: its serve loop's body, mirrored."""
+
+    def __init__(self, world: World, resume: bool):
+        from fedbus.bench.chaos import state_digest
+        from fedbus.node.server import CheckpointError, ServerNode, read_checkpoint
+
+        self.world, self.name, self.alive = world, "server", True
+        self.die_at_checkpoint: Fault | None = None
+        srv = self.srv = ServerNode(world.cfg, world.run_dir, "sim://broker", resume=resume,
+                                    run_id=world.run_id)
+        if not resume:
+            srv.run.write_config(world.cfg.to_dict())
+        real_checkpoint = srv._checkpoint
+
+        def checkpoint() -> None:
+            f = self.die_at_checkpoint
+            if f is not None:  # killed after the record, before the checkpoint
+                self.die_at_checkpoint = None
+                world.kill_server(f)
+                raise SimKilled()
+            real_checkpoint()
+            e = srv.engine
+            buffered = [[m.client, m.version] for u in e.buffer for m in (u.members or (u,))]
+            world.history.append({"op": "checkpoint", "i": len(world.history),
+                                  "version": e.version, "digest": state_digest(e.state_dict()),
+                                  "buffered": buffered})
+
+        srv._checkpoint = checkpoint
+        outs = []
+        if resume:
+            try:
+                srv._restore()
+            except CheckpointError as err:
+                world.problems.append(f"the server cannot resume: {err}")
+                world.server_rc = 2
+                self.alive = False
+                return
+            ckpt = world.run_dir / "checkpoint.fbk"
+            state = read_checkpoint(ckpt)[1] if ckpt.exists() else None
+            # (no checkpoint yet: a restart from round 0, digest "", which check_once rolls
+            # back to nothing taken and check_resumes is not shown)
+            world.history.append({"op": "resume", "i": len(world.history),
+                                  "version": 0 if state is None else int(state["version"]),
+                                  "digest": "" if state is None else state_digest(state)})
+            outs = srv.engine.on_resumed(world.clock.time())
+        world.note("server_up", resume)
+        self.peer = world.make_peer("server", role="server", run=world.run_id,
+                                    max_frame=world.cfg.bus.max_frame_mb << 20)
+        self._tick_at: float | None = None
+        self._step(lambda: outs)
+        world.at(world.clock.t, world.peer_timers, self)
+
+    def kill(self) -> None:
+        if not self.alive:
+            return
+        self.alive = False
+        self.world.note("server_killed")
+        if self.peer._sock is not None:
+            self.peer._sock.close()
+        self.peer.close(0)
+        self.srv.run.close()
+
+    def wake(self) -> None:
+        while self.alive:
+            msg = self.peer.recv(timeout=0)
+            if msg is None:
+                return
+            self._step(lambda m=msg: self._take(m))
+
+    def _take(self, msg: Any) -> list:
+        from fedbus.node.engine import client_index
+        from fedbus.node.server import config_sender, judge, take
+
+        e, world = self.srv.engine, self.world
+        now = world.clock.time()
+        refusal = judge(e, msg)
+        if refusal is not None:
+            return e.on_refused(refusal, now)
+        body = msg.body
+        if msg.kind == "update":
+            task = e.tasks[body["task"]]
+            client = client_index(msg.src)
+            world.history.append({"op": "accept", "i": len(world.history), "client": client,
+                                  "round": task.round, "version": task.version,
+                                  "task": task.id, "inc": msg.inc,
+                                  "node": e.host.get(client), "src": msg.src})
+        elif msg.kind == "config":
+            node = config_sender(e, msg.src)
+            if node is not None:
+                world.history.append({"op": "register", "i": len(world.history),
+                                      "node": node, "inc": msg.inc})
+        return take(e, msg, now)
+
+    def _tick(self, at: float) -> None:
+        if self.alive and self._tick_at == at:
+            self._tick_at = None
+            self._step(lambda: self.srv.engine.on_tick(self.world.clock.time()))
+
+    def _step(self, make_outs: Callable[[], list]) -> None:
+        world, e = self.world, self.srv.engine
+        version = e.version
+        try:
+            outs = make_outs()
+            self.srv._emit(self.peer, outs, version)
+        except SimKilled:
+            return
+        self.peer._take_outgoing()
+        world.arm_faults(e.version)
+        if e.done:
+            self.alive = False
+            self.srv._finish()
+            self.peer._goodbye()
+            self.peer.close(0)
+            if self.peer._sock is not None:
+                self.peer._sock.close()
+            world.server, world.server_rc = None, 0
+            world.final_version = e.version
+            world.note("server_exit")
+            return
+        d = e.next_deadline()
+        if d is not None:
+            at = max(d, world.clock.time()) - EPOCH
+            if d <= world.clock.time():
+                at = world.clock.t + 0.5  # a passed deadline that changed nothing: later
+            if self._tick_at is None or at < self._tick_at:
+                self._tick_at = at
+                world.at(at, self._tick, at)
+
+
+class SimNode:
+    """ClientNode under the simulation: its serve loop's body, mirrored; each message takes
+    simulated compute time (drawn), during which the node handles nothing else."""
+
+    def __init__(self, world: World, name: str, clients: list[int]):
+        from fedbus.node.client_host import ClientNode
+        from fedbus.node.engine import client_address
+
+        self.world, self.name, self.alive = world, name, True
+        self.node = ClientNode("sim://broker", clients, name=name, state_dir=world.state_dir,
+                               heartbeat_s=HEARTBEAT_S, liveness=LIVENESS)
+        self.peer = world.make_peer(name, role="client",
+                                    addresses=[client_address(c) for c in clients])
+        self.node.peer = self.held = HeldSends(self.peer)
+        self.busy = False
+        world.note("node_up", name, self.peer.inc)
+        world.at(world.clock.t, world.peer_timers, self)
+
+    def kill(self) -> None:
+        if not self.alive:
+            return
+        self.alive = False
+        self.world.note("node_killed", self.name)
+        if self.peer._sock is not None:
+            self.peer._sock.close()
+        self.peer.close(0)
+
+    def wake(self) -> None:
+        if not self.alive or self.busy:
+            return
+        if self.world.stopped.get(self.name, -1.0) > self.world.clock.t:
+            self.world.at(self.world.stopped[self.name], self.wake)
+            return
+        msg = self.peer.recv(timeout=0)
+        if msg is None:
+            return
+        from fedbus.node.engine import client_index
+
+        world = self.world
+        if msg.kind == "shutdown":  # ClientNode.serve's shutdown
+            reason = (msg.body or {}).get("reason")
+            if self.node.states is not None and reason == "run complete":
+                self.node.states.discard(self.node.clients)
+            self.alive = False
+            self.peer._goodbye()
+            self.peer.close(0)
+            if self.peer._sock is not None:
+                self.peer._sock.close()
+            world.exited[self.name] = 0
+            world.note("node_exit", self.name)
+            return
+        cost = 0.001
+        if msg.kind == "task":
+            client = client_index(msg.dst)
+            cost = world.task_s * float(world.rng.uniform(0.5, 1.5)) * \
+                (8.0 if client in world.slow else 1.0)
+        elif msg.kind == "eval":
+            cost = 0.05
+        elif msg.kind == "config":
+            cost = 0.2
+        self.node.handle(msg)
+        self.busy = True
+        world.at(world.clock.t + cost, self._done)
+
+    def _done(self) -> None:
+        if not self.alive:
+            return
+        if self.world.stopped.get(self.name, -1.0) > self.world.clock.t:
+            self.world.at(self.world.stopped[self.name], self._done)
+            return
+        self.busy = False
+        self.held.release()
+        self.wake()
