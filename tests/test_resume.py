@@ -5,6 +5,7 @@ the uninterrupted run, because every client continues from the state it saved
 refuse, and the client-state store itself."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -24,9 +25,9 @@ TIMING = {"time", "round_s", "eval_s", "wall_s"}
 
 
 def _config(tmp_path, algorithm: str):
-    # client 3 is slowed 20x (a sleep: the mathematics is unchanged), so a round stays
-    # open for a while after the fast clients finish and a kill aimed at that moment lands
-    # inside it; on a fast CPU the whole round could otherwise end before the kill does
+    # client 3 is slowed 20x (a sleep: the mathematics is unchanged), so a round usually
+    # stays open after the fast clients finish: _kill_mid_round's first try then succeeds
+    # (it retries on a later round otherwise; its verdict never rests on this)
     sections = merged(SMALL, federation={"rounds": ROUNDS, "clients": 4},
                       algorithm={"name": algorithm},
                       system={"slow_clients": [3], "slow_factor": 20.0})
@@ -38,23 +39,56 @@ def _saved_rounds(run_dir) -> list[int]:
     return [int(f.stem.rsplit("-r", 1)[1]) for f in files]
 
 
+def _records(run_dir) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _server_pid(run_dir) -> int | None:
+    path = run_dir / "logs/server.jsonl"
+    if not path.exists():
+        return None
+    for line in path.read_text().splitlines():
+        try:
+            return int(json.loads(line)["pid"])
+        except (ValueError, KeyError):
+            continue
+    return None
+
+
 def _kill_mid_round(cfg, run_dir, after_records: int) -> None:
-    """Start `fedbus run`, and SIGKILL the launcher (its children die with it) once
-    `after_records` rounds are recorded and a client has finished a task of the next round,
-    so the stop lands inside a round whose work is partly done."""
+    """Start `fedbus run`, and SIGKILL the launcher (its children die with it) inside a round
+    whose work is partly done: once `after_records` rounds are recorded and a client has
+    saved its state of an unrecorded round, the server is stopped (SIGSTOP) and the two
+    facts are read again; they hold while it is stopped, so they hold at the kill. If the
+    round closed before the stop, the server goes on and the next round is tried: the
+    kill is aimed by events, never by a wait."""
     proc = subprocess.Popen([sys.executable, "-m", "fedbus.launch", "run", str(cfg), "--out",
                              str(run_dir), "--quiet"], cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    stopped = None
     try:
         def mid_round() -> bool:
-            path = run_dir / "metrics.jsonl"
-            done = len(path.read_text().splitlines()) if path.exists() else 0
+            done = _records(run_dir)
             return done >= after_records and any(r >= done for r in _saved_rounds(run_dir))
 
-        wait_until(mid_round, 240, "a round in progress", interval=0.02)
+        while stopped is None:
+            wait_until(mid_round, 240, "a round in progress", interval=0.002)
+            server = _server_pid(run_dir)
+            os.kill(server, signal.SIGSTOP)
+            if mid_round():
+                stopped = server
+            else:  # the round closed first
+                os.kill(server, signal.SIGCONT)
+                assert _records(run_dir) < ROUNDS - 1, "no round left to stop inside"
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(30)
+        if stopped is not None:  # killed with the launcher; continued, should it linger
+            try:
+                os.kill(stopped, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
 
 def _comparable(records: list[dict]) -> list[dict]:
