@@ -7,7 +7,7 @@ registers with the server's broker as one client node, starts this site's broker
 node` processes, which connect to it as they would to a server's broker. Per sync round
 it sends the server one pre-aggregated update for algorithms that declare how their
 updates merge (fedavg, fedprox, fedproto, mpfedcl, noop), and forwards everything else
-unchanged; see fedbus.node.relay and README "Across machines".
+unchanged; see fedbus.node.relay and docs/RELAYS.md.
 
 Keys (CurveZMQ): upstream, like a node: --keys-dir holds this relay's client key (its
 name is the relay's name; `fedbus keygen relay-a --clients 0-499` on the server site,

@@ -408,7 +408,7 @@ def _other_algorithms_hint(key: str, name: Any) -> str:
     for other in available():
         try:
             params = get_algorithm(other).server.PARAMS
-        except Exception:  # a broken plugin must not hide the real error, the unknown key
+        except Exception:  # noqa: BLE001, S112 - a broken plugin must not hide the unknown key
             continue
         if key in params:
             owners.append(other)
@@ -525,10 +525,11 @@ def inapplicable_keys(cfg: Config, given: Iterable[str]) -> list[str]:
     if not ignored:
         return []
     users = sorted({p for p, keys in PARAMS.items() for key in ignored if key in keys})
-    return [f"data.{', data.'.join(ignored)} {'is' if len(ignored) == 1 else 'are'} set but "
-            f"data.partition = {scheme!r} does not read {'it' if len(ignored) == 1 else 'them'} "
-            f"({'it is' if len(ignored) == 1 else 'they are'} for {', '.join(users)}); "
-            f"ignored"]
+    one = len(ignored) == 1
+    line = (f"data.{', data.'.join(ignored)} {'is' if one else 'are'} set but data.partition = "
+            f"{scheme!r} does not read {'it' if one else 'them'} "
+            f"({'it is' if one else 'they are'} for {', '.join(users)}); ignored")
+    return [line]
 
 
 # Keys that name a file or folder, with the prefix their value may carry before it.

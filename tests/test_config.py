@@ -194,8 +194,8 @@ def test_keys_the_partition_does_not_read_are_warned_about_in_one_line(tmp_path)
     example.write_text('[data]\npartition = "dirichlet"\nalpha = 0.1\nways = 4\nshots = 60\n')
     cfg, lines = _warnings_of(example)
     assert cfg.data.partition == "dirichlet"
-    assert lines == ["data.shots, data.ways are set but data.partition = 'dirichlet' does "
-                     "not read them (they are for nway-kshot); ignored"]
+    assert lines == [("data.shots, data.ways are set but data.partition = 'dirichlet' does "
+                      "not read them (they are for nway-kshot); ignored")]
     _, lines = _warnings_of(None, ["data.partition=iid", "data.alpha=0.3"])
     assert len(lines) == 1 and "data.alpha is set" in lines[0] and "dirichlet" in lines[0]
     # the embedded default's own ways/shots are not the user's: switching partition is quiet

@@ -1,6 +1,6 @@
-"""The relay examples (README "Across machines"): examples/two-sites/ and
+"""The relay examples (docs/RELAYS.md): examples/two-sites/ and
 examples/slurm-relays.sbatch load, parse, and run as documented, with CurveZMQ keys made
-and exchanged the way the README says, through real brokers, relays and nodes."""
+and exchanged the way docs/RELAYS.md says, through real brokers, relays and nodes."""
 from __future__ import annotations
 
 import json
@@ -77,7 +77,7 @@ def test_the_two_site_walk_through_runs_with_one_merged_update_per_relay(tmp_pat
         log = (work / machine / "relay.log").read_text(errors="replace")
         assert log.count("merged update sent") == 3, machine
         assert f"clients={clients} tasks={clients}" in log, machine
-    # the README's check: `fedbus log --kind merged` names both relays
+    # docs/RELAYS.md's check: `fedbus log --kind merged` names both relays
     timeline = subprocess.run([sys.executable, "-m", "fedbus.launch", "log",
                                str(work / "S" / "runs" / "two-sites"), "--round", "1",
                                "--kind", "merged"], check=False, capture_output=True, text=True,

@@ -97,7 +97,7 @@ def test_every_help_example_runs_as_written(tmp_path, monkeypatch):
         if argv[0] == "sweep":
             code, out, err = call([*argv, "--dry-run"])
             assert code == 0, f"{where}: {command}\n{err}"
-            names = set(re.findall(r"^  (\S+): ", out, re.M))
+            names = set(re.findall(r"^  (\S+): ", out, re.MULTILINE))
             grid = {}
             for axis in option_values(argv, "--grid"):
                 key, values = axis.split("=", 1)

@@ -144,7 +144,7 @@ def test_a_relay_closes_its_round_at_its_deadline_and_a_late_update_is_folded(tm
 def test_relays_under_curve_keys_made_by_keygen(tmp_path):
     """Two sites with their own keys: the server site's broker allow-lists the server and the
     two relays (each for the client ids below it); each site's folder holds its broker, the
-    relay's site-server key and its node's key (PROTOCOL.md §10, README "Across machines")."""
+    relay's site-server key and its node's key (PROTOCOL.md §10, docs/RELAYS.md)."""
     up, sites = tmp_path / "keys", [tmp_path / "site-0", tmp_path / "site-1"]
     fedbus_cli = Processes(tmp_path)
     gen = [("broker", up, ()), ("server", up, ()), ("relay-0", up, ("--clients", "0-2")),

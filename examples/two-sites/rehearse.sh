@@ -1,7 +1,7 @@
 #!/bin/bash
-# README "Across machines", the two-site walk-through, rehearsed on one machine: a
+# docs/RELAYS.md, the two-site walk-through, rehearsed on one machine: a
 # folder stands for each machine, a 127.0.0.1 port for each address, and `cp` for the
-# copying of public certificates. Every fedbus command is the one the README gives for
+# copying of public certificates. Every fedbus command is the one docs/RELAYS.md gives for
 # that machine, with its address filled in (and --curve on the server site's broker,
 # which turns CURVE on by itself only on a non-loopback address).
 #
@@ -69,7 +69,7 @@ cp "$WORK/RA/site-keys/broker.key" "$WORK/A1/keys/"                          # n
 cp "$WORK/RA/site-keys/broker.key" "$WORK/A2/keys/"
 cp "$WORK/RB/site-keys/broker.key" "$WORK/B1/keys/"
 
-# --- 3. processes, in the README's order
+# --- 3. processes, in docs/RELAYS.md's order
 on S broker fedbus broker --bind "tcp://$S" --curve --keys-dir keys
 on S server fedbus server --broker "tcp://$S" --keys-dir keys "$EXAMPLE/server.toml" \
   --out runs/two-sites "$@"
