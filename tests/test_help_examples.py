@@ -145,3 +145,38 @@ def option_positionals(argv: list[str]) -> list[str]:
             words.append(word)
     return words
 
+
+
+def readme_first_screen() -> list[list[str]]:
+    """The commands of the README's first screen (its sections before "Read next")."""
+    text = (REPO / "README.md").read_text()
+    screen = text[:text.index("\n## Read next")]
+    return [shlex.split(line, comments=True)[1:] for line in screen.splitlines()
+            if line.startswith("    fedbus ")]
+
+
+def test_the_readme_first_screen_runs_as_written(tmp_path, monkeypatch):
+    """What a newcomer types first: each run's config loads (--print-config, the config
+    the run would use), the sweep validates every run, table and plot parse and read the
+    sweep's directory."""
+    (tmp_path / "examples").symlink_to(REPO / "examples")
+    monkeypatch.chdir(tmp_path)
+    commands = readme_first_screen()
+    assert [c[0] for c in commands].count("run") >= 2 and \
+        {"sweep", "table", "plot"} <= {c[0] for c in commands}, commands
+    sweep_out = None
+    for argv in commands:
+        command = " ".join(["fedbus", *argv])
+        if argv[0] == "run":
+            extra = [] if "--help-config" in argv else ["--print-config"]
+            code, out, err = call([*argv, *extra])
+            assert code == 0 and out, f"README: {command}\n{err}"
+            assert "config warning" not in err, f"README: {command}\n{err}"
+        elif argv[0] == "sweep":
+            code, out, err = call([*argv, "--dry-run"])
+            assert code == 0 and "would run" in out, f"README: {command}\n{err}"
+            sweep_out = option_values(argv, "--out")[0]
+        else:
+            assert argv[0] in ("table", "plot"), f"README: {command}: not checked yet"
+            cli.build_parser(argv[0]).parse_args(argv)
+            assert sweep_out in option_positionals(argv), f"README: {command}"
