@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -176,6 +177,8 @@ def main_args(args: argparse.Namespace) -> int:
               f"{res.wall_s:.1f} s)")
         if args.json:
             print(json.dumps(figures))
+        if not args.out:  # CI's smoke leaves no run behind (a failed run's stays, for its logs)
+            shutil.rmtree(out, ignore_errors=True)
         return 0
     print(f"  rounds completed             {figures['rounds_completed']:9d}")
     print(f"  bytes up / down              {figures['bytes_up']:,} / {figures['bytes_down']:,}")
