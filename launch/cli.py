@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 
 # sub-command -> (module under fedbus.launch, one-line help). Each module offers
 # add_arguments(parser) and main(args) -> int.
@@ -110,7 +111,17 @@ def build_parser(command: str | None = None,
     return parser
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None,
+                  _default=warnings.showwarning):
+    """A config warning (fedbus.node.config.ConfigWarning) is one line for the user, from
+    whichever sub-command loaded the config; other warnings keep Python's form."""
+    if category.__name__ != "ConfigWarning":
+        return _default(message, category, filename, lineno, file, line)
+    print(f"fedbus: config warning: {message}", file=file or sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
+    warnings.showwarning = _show_warning
     argv = sys.argv[1:] if argv is None else list(argv)
     command = chosen_command(argv)
     rest = argv[argv.index(command) + 1:] if command else []
