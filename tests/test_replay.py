@@ -10,7 +10,6 @@ import re
 import shutil
 import signal
 import struct
-import time
 import zlib
 
 import msgpack
@@ -100,6 +99,18 @@ def _rounds_done(run) -> int:
     return len(metrics(run)) if (run / "metrics.jsonl").exists() else 0
 
 
+def _logged(run, direction: str, kind: str, round_: int) -> int:
+    """How many `kind` messages of round `round_` the live server's log holds so far."""
+    if not (run / "messages.bin").exists():
+        return 0
+    n = 0
+    for rec in read_log(run):
+        if rec.direction == direction:
+            m = decode(rec.frames)
+            n += m.kind == kind and m.round == round_
+    return n
+
+
 @pytest.fixture(scope="module")
 def killed_node_run(tmp_path_factory):
     """A whole run in which client node n1 (clients 2 and 3) was SIGKILLed after round 1."""
@@ -117,12 +128,14 @@ def killed_node_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def killed_server_run(tmp_path_factory):
-    """A run whose server was SIGKILLed in the middle of its second round."""
+    """A run whose server was SIGKILLed in the middle of its second round: its four tasks
+    logged and an update of it received (events in the server's own log, not a wait)."""
     tmp = tmp_path_factory.mktemp("killed-server")
     run, procs = _manual(tmp, merged(SLOW, federation={"rounds": 6}))
     try:
-        wait_until(lambda: _rounds_done(run) >= 1, 180, "the first round")
-        time.sleep(0.5)  # the second round's tasks are out, its updates are coming
+        wait_until(lambda: _logged(run, "out", "task", 1) == 4
+                   and _logged(run, "in", "update", 1) >= 1, 180,
+                   "the second round's tasks out and an update of it in", interval=0.01)
         procs.kill("server")
         assert procs.procs["server"].returncode == -signal.SIGKILL
     finally:
