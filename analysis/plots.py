@@ -439,12 +439,14 @@ STATUSES = (
     (1, "trained", "#1b7837"),
     (2, "partial work", "#a6dba0"),
     (3, "late update folded in", "#4393c3"),
-    (4, "late", "#f4a442"),
-    (5, "dropped", "#d6301f"),
-    (6, "dead", "#3a3a3a"),
-    (7, "rejected / error", "#8c6bb1"),
+    (4, "late (no update by the deadline)", "#f4a442"),
+    (5, "dropped its task", "#d6301f"),
+    (6, "dead (lost with its node)", "#3a3a3a"),
+    (7, "refused / error", "#8c6bb1"),
 )
-FAILURE_CODE = {"late": 4, "dropped": 5, "dead": 6, "rejected": 7, "error": 7}
+# a record's failure codes (fedbus.node.engine.FAILURES); a failed secure aggregation's
+# inputs ("secagg") count with the refused
+FAILURE_CODE = {"late": 4, "dropped": 5, "dead": 6, "rejected": 7, "error": 7, "secagg": 7}
 
 
 def participation_matrix(records: list[dict[str, Any]], clients: int | None

@@ -266,6 +266,12 @@ class ClientReplay:
     update: dict[str, Any]  # the recomputed update body, decoded as the server would have
     logged_work: dict[str, Any]  # the work record the client sent
     masked: bool = False  # secure aggregation: the logged payload is masked, not compared
+    # Why there is no logged update to compare, or None: "dropped (at STAGE)" for a task
+    # whose simulated drop (system.drop_prob, drop_clients) the client obeyed, as `fedbus
+    # log` shows it; "refused: REASON" for an update the server refused; "no update in the
+    # log" for a task never answered before the log ends (late, or lost with its node: the
+    # round's record says which)
+    no_update: str | None = None
 
     @property
     def work_identical(self) -> bool:
@@ -303,6 +309,20 @@ def _as_logged(handler: Any, body: dict[str, Any], logged: Message | None) -> di
     return body
 
 
+def dropped_at(task: dict[str, Any]) -> str | None:
+    """The stage at which a task's client simulates a drop (system.drop_prob,
+    drop_clients), or None: as `fedbus log` names it."""
+    sim = task.get("sim") if isinstance(task.get("sim"), dict) else {}
+    return str(sim.get("drop_stage", "task")) if sim.get("drop") else None
+
+
+def trains_before_drop(task: dict[str, Any]) -> bool:
+    """Whether a dropping client trains the task first: under secure aggregation a drop
+    after its keys or shares (system.drop_stage) comes after training, as the node does it
+    (fedbus.node.client_host._admit)."""
+    return dropped_at(task) not in (None, "task") and "secagg" in task
+
+
 def replay_client(run_dir: str | Path, client: int, round_: int) -> ClientReplay:
     from fedbus.node.client_host import ClientPool, node_threads, run_task
 
@@ -313,11 +333,17 @@ def replay_client(run_dir: str | Path, client: int, round_: int) -> ClientReplay
     address = client_address(client)
     records = list(read_log(run_dir))
     updates: dict[int, Message] = {}
+    refusals: dict[int, str] = {}  # task -> why the server refused its update
     for rec in records:
         if rec.direction == "in":
             m = _decode(rec, max_frame)
             if m.kind == "update" and m.src == address and isinstance(m.body, dict):
                 updates[m.body.get("task")] = m
+        elif rec.direction == "refused":
+            body = decode_body(rec.frames[1], max_frame=max(len(rec.frames[1]), 1))
+            if isinstance(body, dict) and body.get("src") == address and \
+                    isinstance(body.get("task"), int):
+                refusals[body["task"]] = f"refused: {body.get('reason', '?')}"
     pool = ClientPool(cfg, torch.device("cpu"), clients=[client], max_resident=1)
     handler = pool.get(client)
     for rec in records:
@@ -329,16 +355,24 @@ def replay_client(run_dir: str | Path, client: int, round_: int) -> ClientReplay
         if m.kind == "eval":
             handler.evaluate(m.body["payload"])
             continue
-        if m.kind != "task" or m.body.get("sim", {}).get("drop"):
+        if m.kind != "task":
             continue
-        logged = updates.get(m.body["task"])
+        tid = int(m.body["task"])
+        stage = dropped_at(m.body)
+        if stage is not None and not trains_before_drop(m.body):
+            if m.round == round_:  # the client never trained it: nothing to recompute
+                return ClientReplay(client, round_, tid, False, {}, {}, {},
+                                    no_update=f"dropped (at {stage})")
+            continue
+        logged = updates.get(tid)
         mine, _ = run_task(handler, _as_logged(handler, m.body, logged))
         if m.round != round_:
             continue
-        if logged is None:
-            raise LookupError(f"c{client} never answered its round-{round_} task "
-                              f"{m.body['task']} (dropped, late past the log, or dead)")
         update = decode_body(encode_body(mine))
+        if logged is None:
+            why = f"dropped (at {stage})" if stage is not None else \
+                refusals.get(tid) or "no update in the log"
+            return ClientReplay(client, round_, tid, False, {}, update, {}, no_update=why)
         work = dict(logged.body.get("work") or {})
         if "masked" in logged.body["payload"]:  # secure aggregation: the upload was masked
             return ClientReplay(client, round_, int(m.body["task"]), False, {}, update, work,

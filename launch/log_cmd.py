@@ -15,6 +15,7 @@ import json
 import math
 import os
 import sys
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -54,8 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="only messages of this kind; repeatable. One of: "
                    + ", ".join(_kinds()))
     p.add_argument("--outcomes-only", action="store_true",
-                   help="print only the round outcomes (who was sampled, answered, late or "
-                   "dead), no message lines")
+                   help="print only the round outcomes (who was sampled, answered, or "
+                   "failed and how: dropped its task, late, dead with its node, refused with "
+                   "the validator's reason, error; late updates folded in), no message lines")
     p.add_argument("--json", action="store_true",
                    help="JSON lines only: each message's index line (messages.jsonl) with its "
                    "payload summary under \"summary\", then one {\"outcome\": {...}} line per "
@@ -519,34 +521,66 @@ def round_outcomes(run: Path, round_: int | None, client: int | None,
         dst = str(e.get("dst", ""))
         if e.get("kind") == "task" and e.get("dir") == "out" and dst[1:].isdigit():
             sampled.setdefault(e.get("round"), []).append(int(dst[1:]))
-    out = []
+    records = []
     for line in path.read_text().splitlines():
         try:
-            rec = json.loads(line)
+            records.append(json.loads(line))
         except json.JSONDecodeError:
             break
+    # where each late update went: (client, the round it was late for) -> what became of it
+    fate: dict[tuple[int, int], str] = {}
+    for rec in records:
+        for entry in rec.get("stale") or ():
+            fate[(int(entry[0]), int(entry[1]))] = f"folded into round {rec['round']}"
+        for c, v in rec.get("late_discarded") or ():
+            fate[(int(c), int(v))] = f"discarded in round {rec['round']}"
+    out = []
+    for rec in records:
         if round_ is not None and rec.get("round") != round_:
             continue
-        answered = [int(c) for c in rec.get("participants", [])]
-        failed = {str(c): why for c, why in rec.get("failures", {}).items()}
+        # participants include the late updates of earlier rounds folded in here ("stale"):
+        # a client answered this round's task only beyond those
+        fresh = Counter(int(c) for c in rec.get("participants", [])) - \
+            Counter(int(e[0]) for e in rec.get("stale") or ())
+        answered = sorted(fresh)
+        failed = {str(c): FAILURE_WORDS.get(why, why)
+                  for c, why in rec.get("failures", {}).items()}
+        refusals = {str(c): why for c, why in (rec.get("refusals") or {}).items()}
+        late = {str(c): fate[(c, rec["round"])] for c in map(int, failed)
+                if (c, rec["round"]) in fate}
         if client is not None:
-            state = "answered" if client in answered else failed.get(str(client), "not sampled")
-            out.append({"round": rec["round"], "client": client, "state": state})
+            state = failed.get(str(client)) or \
+                ("answered" if client in fresh else "not sampled")
+            detail = refusals.get(str(client)) or late.get(str(client))
+            out.append({"round": rec["round"], "client": client, "state": state,
+                        **({"detail": detail} if detail else {})})
             continue
         asked = sorted(set(sampled.get(rec["round"], [])))
         # the index may be cut short (a killed server): the record's count then
         out.append({"round": rec["round"], "sampled": asked or rec.get("sampled"),
-                    "answered": answered, "failures": failed})
+                    "answered": answered, "failures": failed,
+                    "folded": [[int(e[0]), int(e[1])] for e in rec.get("stale") or ()],
+                    **({"refusals": refusals} if refusals else {})})
     return out
+
+
+# a record's failure codes (fedbus.node.engine.FAILURES) as the outcome lines say them
+FAILURE_WORDS = {"rejected": "refused", "dead": "dead"}
 
 
 def outcome_text(o: Mapping[str, Any]) -> str:
     if "client" in o:
-        return f"round {o['round']}: c{o['client']} {o['state']}"
+        detail = f" ({o['detail']})" if o.get("detail") else ""
+        return f"round {o['round']}: c{o['client']} {o['state']}{detail}"
     by: dict[str, list[str]] = {}
     for c, why in o["failures"].items():
         by.setdefault(why, []).append(c)
-    extra = "  ".join(f"{why}: {','.join(cs)}" for why, cs in sorted(by.items()))
+    parts = [f"{why}: {','.join(sorted(cs, key=int))}" for why, cs in sorted(by.items())]
+    if o.get("folded"):  # late updates of earlier rounds aggregated in this one
+        parts.append("folded: " + ",".join(f"{c} (r{v})" for c, v in o["folded"]))
+    for c, why in sorted((o.get("refusals") or {}).items()):
+        parts.append(f"c{c} refused: {why}")
+    extra = "  ".join(parts)
     sampled = o["sampled"]
     who = _ids(sampled) if isinstance(sampled, list) else ("?" if sampled is None else sampled)
     return f"round {o['round']}: sampled {who}  answered {_ids(o['answered'])}  {extra}".rstrip()

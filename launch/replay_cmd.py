@@ -26,7 +26,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                 "and evaluation it was sent up to round R, and its round-R update is "
                 "compared with the one it sent; exit 0 identical, 1 differs. Under secure "
                 "aggregation the logged update is masked and cannot be compared: the "
-                "recomputed update is summarised and its work record compared instead. "
+                "recomputed update is summarised and its work record compared instead. A "
+                "task with no update to compare is said to be so, as `fedbus log` says it: "
+                "dropped (the simulated drop its task carried), refused (the validator's "
+                "reason), or unanswered in the log (the round's record says late or dead); "
+                "exit 0 unless the record says it answered. "
                 "Rounds are 0-based (round 0 is the first aggregation). Exit 2: a usage "
                 "error, no message log, a damaged log or a data set not found.")
     p.add_argument("run", metavar="RUN", help="run directory")
@@ -115,11 +119,43 @@ def _work_line(res) -> str:
             f"{theirs.get('samples')} samples seen")
 
 
+def logged_outcome(run: str, client: int, round_: int) -> str | None:
+    """What the round's record says became of the client ("answered", "late", "dropped",
+    "dead", ...), as `fedbus log --client --round` shows it; None: no record of the round."""
+    from fedbus.launch.log_cmd import round_outcomes
+
+    found = round_outcomes(Path(run), round_, client)
+    return found[0]["state"] if found else None
+
+
+def _no_update(res, outcome: str | None) -> int:
+    """A task with no logged update to compare: say why, as the log does. Exit 0 when the
+    replay's finding agrees with the round's record, 1 when the record says it answered."""
+    head = f"client {res.client} round {res.round} (task {res.task})"
+    if res.no_update.startswith("dropped"):
+        print(f"{head}: {res.no_update}: the client dropped the task (system.drop_prob or "
+              "drop_clients), trained nothing and sent no update; nothing to compare")
+    else:
+        said = f"the round's record: {outcome}" if outcome else "no record of the round"
+        print(f"{head}: {res.no_update} ({said}); nothing to compare")
+        if res.update:
+            print(f"  recomputed: {_update_line(res.update)}")
+    return 1 if outcome in ("answered",) else 0
+
+
 def client_main(args: argparse.Namespace) -> int:
     from fedbus.analysis.replay import replay_client
 
-    res = replay_client(args.run, args.client, args.round)
-    head = f"client {res.client} round {res.round} (task {res.task})"
+    try:
+        res = replay_client(args.run, args.client, args.round)
+    except LookupError as err:  # no task at all: the log says so too
+        outcome = logged_outcome(args.run, args.client, args.round)
+        raise LookupError(f"{err} ({outcome})" if outcome else str(err)) from None
+    outcome = logged_outcome(args.run, args.client, args.round)
+    if res.no_update is not None:
+        return _no_update(res, outcome)
+    said = f", {outcome}" if outcome not in (None, "answered") else ""
+    head = f"client {res.client} round {res.round} (task {res.task}{said})"
     if res.masked:
         print(f"{head}: update not compared: under secure aggregation (privacy."
               "secure_aggregation = true) it travelled masked, and only the round's sum can "

@@ -293,6 +293,9 @@ class Engine:
         self.deadlines: list[tuple[float, int]] = []
         self.round: RoundState | None = None
         self.late: list[ClientUpdate] = []  # folded into the next aggregation
+        # [client, round it was late for] of late updates discarded since the last
+        # aggregation (federation.late = "drop", or too stale): its record lists them
+        self.late_discarded: list[list[int]] = []
         self.buffer: list[ClientUpdate] = []  # async
         self.buffered_clients: set[int] = set()
         self.evals: dict[int, EvalState] = {}
@@ -519,6 +522,22 @@ class Engine:
         task = self.tasks.get(tid) if isinstance(tid, int) else None
         return "dropped" if task is not None and task.drops else "late"
 
+    def waiting(self, now: float, most: int = 8) -> dict[str, Any]:
+        """For the progress line: the sampled clients the sync round in progress still
+        waits for (at most `most`, and how many), and seconds to its deadline and hard
+        deadline; {} when no round is waiting."""
+        r = self.round
+        if r is None or self.async_mode:
+            return {}
+        pending = r.pending()
+        if not pending:
+            return {}
+        out: dict[str, Any] = {"waiting": pending[:most], "waiting_count": len(pending),
+                               "hard_deadline_in_s": round(max(0.0, r.hard_deadline - now), 1)}
+        if r.deadline > 0:
+            out["deadline_in_s"] = round(max(0.0, r.deadline - now), 1)
+        return out
+
     def _earliest_task_deadline(self) -> float | None:
         heap = self.deadlines
         while heap:
@@ -720,6 +739,7 @@ class Engine:
             self.events.append({"event": "late_folded", "client": client, "version": task.version})
         else:
             self.totals["late_dropped"] += 1
+            self.late_discarded.append([client, task.round])
             self.events.append({"event": "late_dropped", "client": client,
                                 "version": task.version})
         return []
@@ -788,6 +808,7 @@ class Engine:
             self.late.append(entry)
         else:
             self.totals["late_dropped"] += len(members)
+            self.late_discarded += [[u.client, task_round] for u in members]
         self.events.append({"event": "late_folded" if fold else "late_dropped",
                             "relay": node, "clients": len(members), "version": version})
         return []
@@ -872,6 +893,9 @@ class Engine:
                   if self.version - u.version <= self.fed.max_staleness]
         self.totals["late_folded"] += len(members_of(folded))
         self.totals["late_dropped"] += len(members_of(self.late)) - len(members_of(folded))
+        kept = {id(u) for u in members_of(folded)}
+        self.late_discarded += [[u.client, u.version] for u in members_of(self.late)
+                                if id(u) not in kept]
         self.late = []
         failures = [Failure(c, r.failures[c]) for c in sorted(r.failures)]
         record = self._aggregate(fresh + folded, failures, r, now)
@@ -908,9 +932,14 @@ class Engine:
                 "failures": {str(f.client): f.reason for f in failures},
                 **({"refusals": {str(c): why for c, why in sorted(window.refusals.items())}}
                    if window.refusals else {}),
+                **({"late_discarded": self._take_discarded()} if self.late_discarded else {}),
                 "agg": {k: float(v) for k, v in metrics.items() if k not in extra},
                 **({"agg_extra": extra} if extra else {}),
                 **({"dp": self.ledger.record()} if self.ledger is not None else {})}
+
+    def _take_discarded(self) -> list[list[int]]:
+        out, self.late_discarded = sorted(self.late_discarded), []
+        return out
 
     def _after_aggregation(self, record: dict[str, Any], now: float) -> list[Out]:
         out: list[Out] = []
@@ -1274,6 +1303,7 @@ class Engine:
             return []  # the last aggregation is done; the final evaluation is running
         if self.version - upd.version > self.fed.max_staleness:
             self.totals["late_dropped"] += 1
+            self.late_discarded.append([upd.client, upd.version])
             return self._async_fill(now)
         self.buffer.append(upd)
         self.buffered_clients.add(upd.client)

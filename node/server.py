@@ -583,7 +583,11 @@ class ServerNode:
                 "pending": len(r.pending()) if r else len(e.tasks),
                 "late": e.totals["late_dropped"] + e.totals["late_folded"],
                 "acc": last.get("acc_mean"), "proto_acc": last.get("proto_acc_mean"),
-                "elapsed_s": now - self.started, "done": e.done}
+                "elapsed_s": now - self.started, "done": e.done,
+                # how many live clients that accuracy is over (issue 47), whom the round
+                # waits for and when it must close
+                "eval_clients": last.get("eval_clients"), "eval_live": last.get("eval_live"),
+                **e.waiting(now)}
 
     def _finish(self) -> None:
         e = self.engine

@@ -141,6 +141,9 @@ def summarise(records: list[dict[str, Any]], *, algorithm: str, totals: dict[str
               wall_s: float, target_acc: float = 0.0) -> dict[str, Any]:
     evaluated = [r for r in records if "acc_mean" in r or "proto_acc_mean" in r]
     final = {k: evaluated[-1][k] for k in ACC_KEYS if evaluated and k in evaluated[-1]}
+    # how many live clients the final accuracy is over, and why the others are not in it
+    final.update({k: evaluated[-1][k] for k in ("eval_clients", "eval_live", "eval_missing")
+                  if evaluated and k in evaluated[-1]})
     best: dict[str, Any] = {}
     for key in ("acc", "proto_acc", "miou", "proto_miou"):
         scored = [r for r in evaluated if f"{key}_mean" in r]
@@ -149,6 +152,8 @@ def summarise(records: list[dict[str, Any]], *, algorithm: str, totals: dict[str
             best[f"{key}_mean"] = top[f"{key}_mean"]
             best[f"{key}_std"] = top.get(f"{key}_std")
             best[f"{key}_round"] = top["round"]
+            if "eval_clients" in top:
+                best[f"{key}_eval_clients"] = top["eval_clients"]
     reached = None
     if target_acc > 0:
         for r in evaluated:
