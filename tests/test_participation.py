@@ -19,11 +19,9 @@ import pytest
 
 from fedbus.broker.wire import Message
 from fedbus.node.config import build_config
-from fedbus.node.engine import EVAL_MISSING, FAILURES, Engine, Out, client_address, \
-    unbounded_wait
+from fedbus.node.engine import EVAL_MISSING, FAILURES, Engine, Out, client_address, unbounded_wait
 from fedbus.node.server import build_engine, dispatch
-from tests.helpers import (SMALL, Processes, free_port, merged, metrics, wait_until,
-                           write_config)
+from tests.helpers import SMALL, Processes, free_port, merged, metrics, wait_until, write_config
 
 RUN = "r"
 WORK = {"epochs_asked": 1, "epochs_done": 1.0, "steps": 1, "samples": 1}
@@ -283,7 +281,7 @@ def test_log_and_replay_agree_on_every_task_dropped_late_and_dead_ones_too(parti
         rc, log = _main(log_cmd, run=str(partial_run), round=rnd, client=c, kind=["task"],
                         outcomes_only=False, json=False)
         assert rc == 0, log
-        state = re.search(rf"^round {rnd}: c{c} (\S+)", log, re.M).group(1)
+        state = re.search(rf"^round {rnd}: c{c} (\S+)", log, re.MULTILINE).group(1)
         rc, replay = _main(replay_cmd, run=str(partial_run), round=rnd, client=c,
                            until_round=None, dump_state=None)
         where = f"c{c} round {rnd}:\n{log}\n{replay}"
