@@ -574,7 +574,6 @@ def test_a_flooding_node_is_rate_limited_and_others_still_flow(tcp_endpoint, bro
             flood.send_multipart(_update("c0", i, body), copy=False)
             if i % 100 == 0:  # the honest node, meanwhile, at its ordinary pace
                 honest.send_multipart(_update("c1", i // 100, b"\x80"))
-        t_flood = time.monotonic() - t0
         n_honest = n_flood // 100
         wait_for(lambda: len(from_("c1")) >= n_honest, 60, message="the honest node's updates")
         stop.set()
@@ -589,10 +588,13 @@ def test_a_flooding_node_is_rate_limited_and_others_still_flow(tcp_endpoint, bro
                 if (h := wire.decode_header(f[0]))["kind"] == "task"] == list(range(1, 301))
         _drain(flood, at_flood, idle_s=0.2)
         _drain(server, at_server, idle_s=0.2)
+        # every flood message the broker passed has arrived by now, so the broker refilled
+        # the flooder's bucket for at most this long: a bound a slower machine only widens
+        window = time.monotonic() - t0
         passed = len(from_("c0"))
         per_msg = 1 if limit == "messages" else len(body) + 60
-        allowed = (burst + rate * (t_flood + 1.0)) / per_msg + 10
-        assert 0 < passed <= allowed < n_flood, (passed, allowed, t_flood)
+        allowed = (burst + rate * (window + 1.0)) / per_msg + 10
+        assert 0 < passed <= allowed and passed < n_flood, (passed, allowed, window)
         errors = [wire.decode(f) for f in at_flood]
         codes = {m.body["code"] for m in errors if m.kind == "error"}
         assert codes == {"rate_limited"}, codes
@@ -601,7 +603,7 @@ def test_a_flooding_node_is_rate_limited_and_others_still_flow(tcp_endpoint, bro
         assert 0 < first["retry_after_s"] <= 1.0 and "limit" in first["reason"]
         lines = wait_for(lambda: b.events("node rate-limited: messages dropped"), 10)
         assert lines[0]["node"] == "flood" and lines[0]["dropped"] >= 1
-        assert len(lines) <= t_flood + 3  # one line a second
+        assert len(lines) <= time.monotonic() - t0 + 3  # one line a second
         wait_for(lambda: [r for r in b.events("counters")
                           if r.get("rate_limited_total", 0) >= n_flood - passed], 10,
                  message="the drops in the counters")
