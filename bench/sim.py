@@ -104,6 +104,10 @@ def main_args(args: argparse.Namespace) -> int:
             res = run_seed(seed, args, say=print if args.trace else None)
             results.append(res)
             if args.trace:
+                for f in res.faults:
+                    if f.fired_at < 0:
+                        print(f"  (not fired: {f.kind} {f.target} after version "
+                              f"{f.at_version}: {f.note or 'the run ended first'})")
                 print(f"  trace {res.trace}  rounds {res.rounds_done}  frames {res.frames}  "
                       f"simulated {res.sim_s:.1f} s")
             if res.violations:
@@ -125,6 +129,12 @@ def main_args(args: argparse.Namespace) -> int:
           f"per seed {sum(r.frames for r in results) / max(n, 1):.0f}, dropped "
           f"{sum(r.dropped for r in results)}, duplicated {sum(r.duplicated for r in results)}, "
           f"simulated {sum(r.sim_s for r in results):.0f} s")
+    by_invariant: dict[str, list[int]] = {}
+    for r in bad:
+        for name in sorted({v.invariant for v in r.violations}):
+            by_invariant.setdefault(name, []).append(r.seed)
+    for name, hit in sorted(by_invariant.items()):
+        print(f"violated {name}: seeds {hit[:20]}" + (" ..." if len(hit) > 20 else ""))
     if args.json:
         Path(args.json).write_text(json.dumps({
             "seeds": [seeds.start, seeds.stop - 1], "faults": args.faults,

@@ -189,7 +189,8 @@ class Fault:
     delay_s: float  # then fires this much later
     hold_s: float  # down, stopped or cut this long
     fired_at: float = -1.0
-    note: str = ""
+    armed: bool = False
+    note: str = ""  # why it did not fire
 
 
 @dataclass
@@ -312,6 +313,7 @@ class World:
         self.nodes: dict[str, SimNode] = {}
         self.exited: dict[str, int] = {}  # party -> exit code
         self.server_rc: int | None = None
+        self.shutdown_unsent = False
 
     # ------------------------------------------------------------------ schedule
 
@@ -478,24 +480,34 @@ class World:
 
     def arm_faults(self, version: int) -> None:
         for f in self.faults:
-            if f.fired_at < 0 and not f.note and f.at_version <= version:
-                f.note = "armed"
+            if not f.armed and f.at_version <= version:
+                f.armed = True
                 self.at(self.clock.t + f.delay_s, self._fire, f)
 
-    def _fire(self, f: Fault) -> None:
+    def _why_not(self, f: Fault) -> str:
+        """Why fault f cannot fire now ("" when it can)."""
         if self.server is None and self.server_rc is not None:
-            f.note = "the run ended first"
+            return "the run ended first"
+        if f.kind == "node_kill" and not getattr(self.nodes.get(f.target), "alive", False):
+            return "target already down"
+        if f.kind.startswith("server_kill") and self.server is None:
+            return "target already down"
+        if f.kind == "server_kill_at_checkpoint" and self.server.die_at_checkpoint is not None:
+            return "a kill at the checkpoint was armed already"
+        if f.kind == "broker_kill" and self.broker is None:
+            return "target already down"
+        return ""
+
+    def _fire(self, f: Fault) -> None:
+        f.note = self._why_not(f)
+        if f.note:
             return
         f.fired_at = self.clock.t
         self.note("fault", f.kind, f.target)
         if self.say:
             self.say(f"  t={self.clock.t:8.3f}  {f.kind} {f.target} (hold {f.hold_s:.2f} s)")
         if f.kind == "node_kill":
-            node = self.nodes.get(f.target)
-            if node is None or not node.alive:
-                f.note = "target already down"
-                return
-            node.kill()
+            self.nodes[f.target].kill()
             self.at(self.clock.t + f.hold_s, self.start_node, f.target)
         elif f.kind == "node_stop":
             self.stopped[f.target] = self.clock.t + f.hold_s
@@ -503,24 +515,11 @@ class World:
             self.cut[f.target] = self.clock.t + f.hold_s
             self.at(self.clock.t + f.hold_s, self.heal, f.target)
         elif f.kind == "server_kill":
-            if self.server is None:
-                f.note = "target already down"
-                return
             self.kill_server(f)
         elif f.kind == "server_kill_at_checkpoint":
-            if self.server is None:
-                f.note = "target already down"
-                return
-            if self.server.die_at_checkpoint is not None:
-                f.fired_at, f.note = -1.0, "a kill at the checkpoint was armed already"
-                return
-            self.server.die_at_checkpoint = f
+            self.server.die_at_checkpoint = f  # fires inside the next _record
         elif f.kind == "broker_kill":
-            old = self.broker
-            if old is None:
-                f.note = "target already down"
-                return
-            self.broker = None
+            old, self.broker = self.broker, None
             old.close()
             self.at(self.clock.t + f.hold_s, self.start_broker)
 
@@ -566,7 +565,10 @@ class World:
                 n += 1
             for node in self.nodes.values():
                 if node.alive:
-                    self.problems.append(f"node {node.name} never took the shutdown")
+                    why = " (the server ended with the broker down: its shutdown was lost)" \
+                        if self.shutdown_unsent else "" if node.node.run_id else \
+                        " (not configured since its start: it registered with no run id)"
+                    self.problems.append(f"node {node.name} never took the shutdown{why}")
                     node.kill()
             if self.server is not None:
                 self.server.kill()
@@ -599,6 +601,7 @@ class SimServer:
 
         self.world, self.name, self.alive = world, "server", True
         self.die_at_checkpoint: Fault | None = None
+        self.exiting: float | None = None  # done: the peer lingers until then
         srv = self.srv = ServerNode(world.cfg, world.run_dir, "sim://broker", resume=resume,
                                     run_id=world.run_id)
         if not resume:
@@ -643,6 +646,23 @@ class SimServer:
         self._step(lambda: outs)
         world.at(world.clock.t, world.peer_timers, self)
 
+    def _linger(self) -> None:
+        """Peer.close: up to its linger, while registered, for what is not acknowledged."""
+        from fedbus.broker.peer import _READY
+
+        p, world = self.peer, self.world
+        if world.clock.t < self.exiting and p._state == _READY and (p._outq or p._unacked):
+            world.at(world.clock.t + 0.01, self._linger)
+            return
+        self.alive = False
+        world.shutdown_unsent = world.broker is None or p._state != _READY
+        p._goodbye()
+        p.close(0)
+        if p._sock is not None:
+            p._sock.close()
+        world.server, world.server_rc = None, 0
+        world.note("server_exit")
+
     def kill(self) -> None:
         if not self.alive:
             return
@@ -654,7 +674,7 @@ class SimServer:
         self.srv.run.close()
 
     def wake(self) -> None:
-        while self.alive:
+        while self.alive and self.exiting is None:
             msg = self.peer.recv(timeout=0)
             if msg is None:
                 return
@@ -699,16 +719,10 @@ class SimServer:
             return
         self.peer._take_outgoing()
         world.arm_faults(e.version)
-        if e.done:
-            self.alive = False
+        if e.done:  # serve's finally: _finish, then peer.close() (linger 1 s)
             self.srv._finish()
-            self.peer._goodbye()
-            self.peer.close(0)
-            if self.peer._sock is not None:
-                self.peer._sock.close()
-            world.server, world.server_rc = None, 0
-            world.final_version = e.version
-            world.note("server_exit")
+            self.exiting = world.clock.t + 1.0
+            self._linger()
             return
         d = e.next_deadline()
         if d is not None:
