@@ -319,8 +319,11 @@ def test_hostile_client_in_a_real_federation(tmp_path, spawn_py):
     port = free_port()
     broker = f"tcp://127.0.0.1:{port}"
     # the honest clients also protect their prototypes (item 3): clipped, noised, no counts
+    # no round deadline: every round ends when each client answered or failed (the hostile's
+    # NaN answer fails its task), so slow honest clients are never cut; the hard deadline is
+    # only a liveness guard
     sections = merged(SMALL, federation={"clients": 5, "rounds": 2, "seed": 2,
-                                         "deadline_s": 4.0, "min_updates": 1},
+                                         "hard_deadline_s": 120.0},
                       algorithm={"name": "fedproto"},
                       privacy={"clip_norm": 1.0, "noise_sigma": 0.05, "withhold_counts": True})
     cfg_path = write_config(tmp_path / "cfg.toml", sections)
