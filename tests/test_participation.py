@@ -206,8 +206,11 @@ DROPS = 1  # drops every task it is sent (system.drop_clients)
 HELD = 2  # a straggler: its node holds each update until a later round's message arrives
 # Six clients, every one sampled each round, on two nodes (n0: 0-2, n1: 3-5). A round closes
 # once 4 updates are in (federation.quorum: 0, 3, 4 and 5), so client 2 is late in every
-# round by events, on any machine; once n1 is killed, at its deadline.
-PARTIAL = merged(SMALL, federation={"clients": 6, "rounds": 6, "quorum": 4, "deadline_s": 3.0,
+# round by events, on any machine; once n1 is killed, at its deadline, which is long so that
+# an evaluation (given twice the deadline) is never cut short by a loaded machine.
+ROUNDS = 4
+PARTIAL = merged(SMALL, federation={"clients": 6, "rounds": ROUNDS, "quorum": 4,
+                                    "deadline_s": 8.0,
                                     "hard_deadline_s": 60.0, "late": "fold"},
                  system={"drop_clients": [DROPS], "hold_clients": [HELD]},
                  launch={"threads": 1}, bus={"liveness": 10})
@@ -229,7 +232,7 @@ def partial_run(tmp_path_factory):
             procs.start(f"node-{i}", "node", "--broker", broker, "--clients", clients,
                         "--name", f"n{i}", *LIVENESS)
         wait_until(lambda: (run / "metrics.jsonl").exists() and len(metrics(run)) >= 2, 240,
-                   "round 1's record")
+                   "round 1's record", interval=0.02)
         procs.kill("node-1")
         wait_until(lambda: procs.procs["server"].poll() is not None, 300, "the run's end")
         assert procs.procs["server"].returncode == 0, procs.log("server")[-3000:]
@@ -240,7 +243,7 @@ def partial_run(tmp_path_factory):
 
 def test_every_live_client_free_at_evaluation_is_evaluated_the_rest_named(partial_run):
     recs = metrics(partial_run)
-    assert [r["round"] for r in recs] == list(range(6))
+    assert [r["round"] for r in recs] == list(range(ROUNDS))
     for rec in recs:
         accounted(rec)
         # the client that drops every task is dropped, never late, and never held back
@@ -356,3 +359,27 @@ def test_fedbus_run_warns_at_start_when_a_dropped_task_holds_its_round(tmp_path)
     assert metrics(tmp_path / "run")[0]["failures"] == {"1": "dropped"}
     assert re.search(r"failed 1 \(dropped 1\)  acc \d+\.\d% \(2 clients\)", proc.stderr), \
         proc.stderr
+
+
+def test_outcome_lines_name_refusals_with_their_reason_and_discarded_late_updates(tmp_path):
+    """The outcome lines read a record's `refusals` and `late_discarded` as the engine
+    writes them (the refusal's reason from the validator; the late update of round 0 that
+    arrived in round 1 with late = drop)."""
+    import json
+
+    from fedbus.launch.log_cmd import outcome_text, round_outcomes
+
+    engine = make(3, deadline_s=5.0, eval_every=100)
+    tasks = by_client(connect(engine, "a", range(3)))
+    send(engine, [update(tasks[0]), update(tasks[1], num_samples=10 ** 9)], 1.0)
+    tasks1 = by_client(engine.on_tick(5.0))  # round 0 closes: 1 refused, 2 late
+    send(engine, [update(tasks[2])] + [update(t) for t in tasks1.values()], 6.0)
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in engine.records))
+    # (no message log here: "sampled" is the record's count)
+    r0, r1 = (outcome_text(o) for o in round_outcomes(tmp_path, None, None))
+    assert r0.startswith("round 0: sampled 3  answered 0  late: 2  refused: 1  c1 "
+                         "refused: num_samples = 1000000000 is out of range"), r0
+    assert r1 == "round 1: sampled 3  answered 0,1,2", r1
+    (o,) = round_outcomes(tmp_path, 0, 2)
+    assert outcome_text(o) == "round 0: c2 late (discarded in round 1)"
