@@ -181,6 +181,27 @@ def test_below_a_relay_a_dropped_member_is_dropped_and_evaluated():
     assert (rec["eval_clients"], rec["eval_live"], rec["eval_missing"]) == (6, 6, {})
 
 
+def test_after_a_resume_the_dropping_client_is_evaluated_and_named_as_before():
+    """A server resumed from round 0's checkpoint (a fresh engine, its state loaded): round
+    1 names the dropping client dropped and its evaluation accounts for every live client."""
+    cfg = {"system": {"drop_clients": [1]}, "deadline_s": 5.0}
+    first = make(3, **cfg)
+    tasks = by_client(connect(first, "a", range(3)))
+    evals = by_client(send(first, [update(tasks[0]), update(tasks[2])], 1.0) +
+                      first.on_tick(5.0), "eval")
+    send(first, [result(e) for e in evals.values()], 6.0)
+    resumed = make(3, **cfg)
+    resumed.load_state_dict(first.state_dict())
+    tasks = by_client(connect(resumed, "a", range(3), now=100.0))
+    assert resumed.version == 1 and sorted(tasks) == [0, 1, 2]
+    evals = by_client(send(resumed, [update(tasks[0]), update(tasks[2])], 101.0) +
+                      resumed.on_tick(105.0), "eval")
+    send(resumed, [result(e) for e in evals.values()], 106.0)
+    rec = resumed.records[-1]
+    assert rec["round"] == 1 and rec["failures"] == {"1": "dropped"}
+    assert (rec["eval_clients"], rec["eval_live"], rec["eval_missing"]) == (3, 3, {})
+
+
 def test_failure_names_are_documented():
     assert {"late", "dropped", "dead", "rejected", "error"} <= set(FAILURES)
     assert set(EVAL_MISSING) == {"busy", "dead", "refused", "timed_out"}
