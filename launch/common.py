@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 
 from fedbus.broker.log import configure_logging
-from fedbus.node.config import Config, ConfigError, ConfigWarning, load_config
+from fedbus.node.config import Config, ConfigError, load_config
 
 
 def add_config_arguments(p: argparse.ArgumentParser, *, required: bool = False) -> None:
@@ -26,19 +25,9 @@ def setup_logging(args: argparse.Namespace, process: str) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> Config | None:
-    """The validated config, or None after printing why it is not valid; what the config
-    holds but likely does not mean (ConfigWarning: a key its partition ignores) is printed
-    as one line each."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", ConfigWarning)
-        try:
-            cfg = load_config(args.config, args.overrides)
-        except ConfigError as err:
-            print(f"fedbus: config error: {err}", file=sys.stderr)
-            return None
-    for w in caught:
-        if issubclass(w.category, ConfigWarning) and not getattr(args, "quiet", False):
-            print(f"fedbus: config warning: {w.message}", file=sys.stderr)
-        elif not issubclass(w.category, ConfigWarning):
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    return cfg
+    """The validated config, or None after printing why it is not valid."""
+    try:
+        return load_config(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"fedbus: config error: {err}", file=sys.stderr)
+        return None

@@ -20,6 +20,9 @@ that names the config key and the problem. What it checks:
 - the networks build on that data (conv nets need images; a weight-averaging
   algorithm needs one architecture; a group shares one feature dim).
 
+Once all pass, each of the config's notes (``Config.notes``: keys the partition does not
+read, a path found only from the working directory) is a ``ConfigWarning``.
+
 It checks by doing: the real loader, partitioner and model builder run here,
 so the check and the run cannot disagree. Dataset and partition are cached per
 process (fedbus.node.data, fedbus.node.setup), so a server forked from the
@@ -27,7 +30,9 @@ launcher inherits them instead of loading again.
 """
 from __future__ import annotations
 
-from fedbus.node.config import Config, ConfigError
+import warnings
+
+from fedbus.node.config import Config, ConfigError, ConfigWarning
 
 #: what the real loaders raise for bad input (DatasetUnavailable and
 #: PretrainedUnavailable are RuntimeErrors; PartitionError and json errors ValueErrors)
@@ -101,3 +106,8 @@ def check_inputs(cfg: Config) -> None:
             check_reference(cfg)
         except ConfigError as err:  # names log.ffd_reference already
             raise PreflightError(str(err)) from None
+
+    # what the config holds but likely does not mean, said once every input has passed, so
+    # that a bad input's error stays the one line it is
+    for note in getattr(cfg, "notes", ()):
+        warnings.warn(note, ConfigWarning, stacklevel=2)

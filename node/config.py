@@ -14,7 +14,6 @@ import json
 import math
 import os
 import tomllib
-import warnings
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -27,7 +26,8 @@ class ConfigError(ValueError):
 
 class ConfigWarning(UserWarning):
     """A config that runs but holds something the user likely did not mean (a key that the
-    chosen partition ignores); the launcher prints each as one line."""
+    chosen partition ignores): load_config keeps each in Config.notes, and the preflight
+    warns with them once every input has passed, so that an error stays one line."""
 
 
 SCHEMA: dict[str, dict[str, Opt]] = {
@@ -269,6 +269,7 @@ class Config:
         self._sections = {name: Section(values) for name, values in sections.items()}
         # "section.key" -> how a relative path in it was resolved, for a not-found error
         self.origins = dict(origins or {})
+        self.notes: list[str] = []  # ConfigWarning lines (load_config)
 
     def origin(self, dotted: str) -> str:
         """How the path in key `dotted` was read (" (relative to ...)"), or ""."""
@@ -487,8 +488,9 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{source}: not valid TOML: {err}") from None
     origins: dict[str, str] = {}
+    notes: list[str] = []
     if path is not None:
-        raw = paths_from(raw, source.resolve().parent, origins)
+        raw = paths_from(raw, source.resolve().parent, origins, notes)
     cfg = build_config(raw, overrides)
     for text in overrides:  # a --set value replaces the file's, and how it was read
         origins.pop(".".join(_parse_override(text)[:2]), None)
@@ -496,8 +498,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
     cfg.origins = origins
     # the embedded default's own keys are not the user's doing: only --set counts there
     chosen = _keys_given(raw if path is not None else {}, overrides)
-    for line in inapplicable_keys(cfg, chosen):
-        warnings.warn(line, ConfigWarning, stacklevel=2)
+    cfg.notes = notes + inapplicable_keys(cfg, chosen)
     return cfg
 
 
@@ -552,17 +553,19 @@ def _relative_path(section: str, key: str, value: Any) -> tuple[str, str] | None
     return prefix, rest
 
 
-def paths_from(raw: dict[str, Any], folder: Path,
-               origins: dict[str, str] | None = None) -> dict[str, Any]:
+def paths_from(raw: dict[str, Any], folder: Path, origins: dict[str, str] | None = None,
+               notes: list[str] | None = None) -> dict[str, Any]:
     """A CONFIG file's relative paths made absolute against the file's own folder, where
     the file or folder they name is found there: a config then means the same from any
     working directory, and the run's config.json (what replay reads) holds absolute paths.
     A path found only relative to the working directory (the old reading) is left as it
-    is, with a ConfigWarning giving the path relative to the file; one found nowhere is
-    left as it is too (an npz is also looked for under data.data_dir). `origins` receives,
-    per key, how its path was read, for the not-found error to say where it looked."""
+    is, with a note (for a ConfigWarning) giving the path relative to the file; one found
+    nowhere is left as it is too (an npz is also looked for under data.data_dir).
+    `origins` receives, per key, how its path was read, for the not-found error to say
+    where it looked."""
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
     origins = {} if origins is None else origins
+    notes = [] if notes is None else notes
     for section, key in PATH_KEYS:
         table = out.get(section)
         value = table.get(key) if isinstance(table, dict) else None
@@ -580,10 +583,9 @@ def paths_from(raw: dict[str, Any], folder: Path,
             origins[dotted] = (f"found from the working directory, {from_cwd}, not beside "
                                f"the config file")
             beside = os.path.relpath(from_cwd, folder)
-            warnings.warn(f"{dotted} = {value!r} is found only from the working directory "
-                          f"({from_cwd}); a config's paths are read relative to its own "
-                          f"folder: write {prefix + beside!r} to mean the same from anywhere",
-                          ConfigWarning, stacklevel=3)
+            notes.append(f"{dotted} = {value!r} is found only from the working directory "
+                         f"({from_cwd}); a config's paths are read relative to its own "
+                         f"folder: write {prefix + beside!r} to mean the same from anywhere")
         else:
             origins[dotted] = (f"a config file's path, read relative to its folder: not at "
                                f"{candidate}, nor from the working directory at {from_cwd}")

@@ -177,14 +177,8 @@ def test_nothing_is_suggested_for_a_key_like_no_other():
 
 
 def _warnings_of(path=None, overrides=()):
-    import warnings
-
-    from fedbus.node.config import ConfigWarning
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        cfg = load_config(path, overrides)
-    return cfg, [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
+    cfg = load_config(path, overrides)
+    return cfg, cfg.notes
 
 
 def test_keys_the_partition_does_not_read_are_warned_about_in_one_line(tmp_path):
@@ -204,6 +198,29 @@ def test_keys_the_partition_does_not_read_are_warned_about_in_one_line(tmp_path)
     example.write_text('[data]\npartition = "iid"\nalpha = 0.5\nmin_samples = 10\n')
     assert _warnings_of(example)[1] == []
     assert _warnings_of(example, ["data.partition=dirichlet", "data.alpha=0.1"])[1] == []
+
+
+def test_the_notes_are_warned_only_once_every_input_has_passed(tmp_path):
+    """The preflight warns with the config's notes after its checks, so a run that goes
+    ahead says them in one line each and a bad input's error stays one line."""
+    import warnings
+
+    from fedbus.launch.preflight import PreflightError, check_inputs
+    from fedbus.node.config import ConfigWarning
+
+    config = tmp_path / "c.toml"
+    config.write_text('[federation]\nclients = 4\n[data]\npartition = "iid"\nshots = 7\n')
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_inputs(load_config(config))
+    said = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
+    assert said == ["data.shots is set but data.partition = 'iid' does not read it (it is "
+                    "for nway-kshot); ignored"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(PreflightError):
+            check_inputs(load_config(config, ["model.arch=nosuchnet"]))
+    assert not [w for w in caught if issubclass(w.category, ConfigWarning)]
 
 
 def test_the_partition_table_and_the_key_help_agree():
