@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=6, help="rounds per federation (default 6)")
     p.add_argument("--clients", type=int, default=4, help="clients (default 4)")
     p.add_argument("--nodes", type=int, default=2, help="client nodes (default 2)")
+    p.add_argument("--mode", choices=("sync", "async"), default="sync",
+                   help="sync rounds (default) or async FedBuff")
     p.add_argument("--algorithm", choices=("noop", "fedproto"), default="noop",
                    help="noop (default) or fedproto (real training on digits, slower)")
     p.add_argument("--trace", action="store_true",
@@ -60,7 +62,7 @@ def parse_seeds(text: str) -> range:
 def replay_command(seed: int, args: argparse.Namespace) -> str:
     extra = "".join(f" --{k} {getattr(args, k)}" for k, d in
                     (("faults", 3), ("rounds", 6), ("clients", 4), ("nodes", 2),
-                     ("algorithm", "noop")) if getattr(args, k) != d)
+                     ("mode", "sync"), ("algorithm", "noop")) if getattr(args, k) != d)
     return f"fedbus bench sim --seeds {seed}-{seed}{extra} --trace"
 
 
@@ -68,7 +70,7 @@ def run_seed(seed: int, args: argparse.Namespace, say=None):
     from fedbus.bench.simworld import World
 
     world = World(seed, faults=args.faults, rounds=args.rounds, clients=args.clients,
-                  nodes=args.nodes, algorithm=args.algorithm, record=say)
+                  nodes=args.nodes, algorithm=args.algorithm, mode=args.mode, record=say)
     try:
         return world.run()
     finally:

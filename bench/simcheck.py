@@ -35,7 +35,7 @@ def check_aggregated(records: list[dict[str, Any]]) -> list:
 
     seen: dict[tuple[int, int], int] = {}
     out = []
-    for rec in records:
+    for rec in sorted(records, key=lambda r: int(r.get("version", 0))):
         stale = Counter(int(s[0]) for s in rec.get("stale", ()))
         fresh = Counter(int(c) for c in rec.get("participants", ())) - stale
         keys = [(c, int(rec["round"])) for c in fresh.elements()] + \
@@ -55,7 +55,8 @@ def check_counted(records: list[dict[str, Any]]) -> list:
     from fedbus.bench.chaos import Violation
 
     total = 0
-    for rec in records:
+    # (async: a record waits for its evaluation while later aggregations are recorded)
+    for rec in sorted(records, key=lambda r: int(r.get("version", 0))):
         total += len(rec.get("participants", ()))
         seen = rec.get("agg", {}).get("updates_seen")
         if seen is not None and int(seen) != total:
@@ -91,7 +92,7 @@ def check_world(world: Any) -> list:
     out += check_incarnations(world.history)
     out += check_resumes([e for e in world.history if e.get("digest") != ""], final_digest,
                          final_version)
-    out += check_window(world.kills, records, world.rounds, "sync")
+    out += check_window(world.kills, records, world.rounds, world.mode)
     summary = None
     if (run / "summary.json").exists():
         summary = json.loads((run / "summary.json").read_text())

@@ -245,13 +245,17 @@ def simulated_time(clock: SimClock):
         client_host.make_run = real_make_run
 
 
-def sim_config(seed: int, *, clients: int, rounds: int, algorithm: str = "noop") -> dict:
-    """The simulated federation's config: small, sync, stragglers folded."""
+def sim_config(seed: int, *, clients: int, rounds: int, algorithm: str = "noop",
+               mode: str = "sync") -> dict:
+    """The simulated federation's config: small, stragglers folded (sync), or FedBuff with a
+    buffer of half the clients (async)."""
+    fed = {"clients": clients, "rounds": rounds, "fraction": 1.0, "seed": seed,
+           "deadline_s": 1.5, "hard_deadline_s": 8.0, "min_updates": 1, "min_clients": 1,
+           "late": "fold", "eval_every": 1, "start_timeout_s": 4.0, "mode": mode}
+    if mode == "async":
+        fed.update(concurrency=clients, buffer=max(1, clients // 2), eval_every=2)
     return {
-        "federation": {"clients": clients, "rounds": rounds, "fraction": 1.0, "seed": seed,
-                       "deadline_s": 1.5, "hard_deadline_s": 8.0, "min_updates": 1,
-                       "min_clients": 1, "late": "fold", "eval_every": 1,
-                       "start_timeout_s": 4.0},
+        "federation": fed,
         "data": {"dataset": "digits", "partition": "iid", "test_fraction": 0.25},
         "model": {"arch": "mlp"},
         "algorithm": {"name": algorithm},
@@ -266,7 +270,8 @@ class World:
     """One seed's federation: a broker, a server, client nodes, a network, a clock."""
 
     def __init__(self, seed: int, *, faults: int = 3, rounds: int = 6, clients: int = 4,
-                 nodes: int = 2, algorithm: str = "noop", workdir: Path | None = None,
+                 nodes: int = 2, algorithm: str = "noop", mode: str = "sync",
+                 workdir: Path | None = None,
                  horizon_s: float = 900.0, record: Callable[[str], None] | None = None):
         from fedbus.node.config import build_config
 
@@ -274,7 +279,9 @@ class World:
         self.rng = np.random.default_rng(np.random.SeedSequence([seed, 0x51A]))
         self.clock = SimClock()
         self.rounds, self.horizon_s = rounds, horizon_s
-        self.raw_cfg = sim_config(seed, clients=clients, rounds=rounds, algorithm=algorithm)
+        self.mode = mode
+        self.raw_cfg = sim_config(seed, clients=clients, rounds=rounds, algorithm=algorithm,
+                                  mode=mode)
         self.cfg = build_config(self.raw_cfg)
         self.run_id = f"sim{seed:08x}"
         if workdir is None and Path("/dev/shm").is_dir():

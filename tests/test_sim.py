@@ -68,6 +68,13 @@ def test_seeds_run_clean_with_every_fault_kind():
     assert fired >= 2 * len(CLEAN_SEEDS)
 
 
+def test_async_seeds_run_clean():
+    for seed in range(20):
+        res = run(seed, mode="async")
+        assert not unexplained(res.violations), (seed, [str(v) for v in res.violations])
+        assert res.rounds_done == 6, seed
+
+
 @pytest.mark.xfail(strict=True, reason="open: a node that misses the run's shutdown waits "
                    "for ever (docs/RELIABILITY.md, Simulation, finding 2)")
 @pytest.mark.parametrize("seed", [116, 270])
