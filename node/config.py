@@ -476,7 +476,8 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
         try:
             text = source.read_bytes().decode("utf-8")  # TOML is UTF-8 whatever the locale
         except FileNotFoundError:
-            raise ConfigError(f"config file not found: {source}") from None
+            where = "" if source.is_absolute() else f" (looked at {os.path.abspath(source)})"
+            raise ConfigError(f"config file not found: {source}{where}") from None
         except OSError as err:
             raise ConfigError(f"config file {source} cannot be read: {err.strerror or err}"
                               ) from None
