@@ -32,6 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=6, help="rounds per federation (default 6)")
     p.add_argument("--clients", type=int, default=4, help="clients (default 4)")
     p.add_argument("--nodes", type=int, default=2, help="client nodes (default 2)")
+    p.add_argument("--relays", type=int, default=0,
+                   help="relays, each with its own site broker, the nodes spread below them "
+                   "(default 0: the nodes on the server's broker)")
     p.add_argument("--mode", choices=("sync", "async"), default="sync",
                    help="sync rounds (default) or async FedBuff")
     p.add_argument("--algorithm", choices=("noop", "fedproto"), default="noop",
@@ -62,7 +65,7 @@ def parse_seeds(text: str) -> range:
 def replay_command(seed: int, args: argparse.Namespace) -> str:
     extra = "".join(f" --{k} {getattr(args, k)}" for k, d in
                     (("faults", 3), ("rounds", 6), ("clients", 4), ("nodes", 2),
-                     ("mode", "sync"), ("algorithm", "noop")) if getattr(args, k) != d)
+                     ("relays", 0), ("mode", "sync"), ("algorithm", "noop")) if getattr(args, k) != d)
     return f"fedbus bench sim --seeds {seed}-{seed}{extra} --trace"
 
 
@@ -70,7 +73,8 @@ def run_seed(seed: int, args: argparse.Namespace, say=None):
     from fedbus.bench.simworld import World
 
     world = World(seed, faults=args.faults, rounds=args.rounds, clients=args.clients,
-                  nodes=args.nodes, algorithm=args.algorithm, mode=args.mode, record=say)
+                  nodes=args.nodes, relays=args.relays, algorithm=args.algorithm,
+                  mode=args.mode, record=say)
     try:
         return world.run()
     finally:
@@ -87,6 +91,9 @@ def main_args(args: argparse.Namespace) -> int:
         if getattr(args, key) < low:
             print(f"fedbus bench sim: --{key} must be at least {low}", file=sys.stderr)
             return 2
+    if not 0 <= args.relays <= args.nodes:
+        print("fedbus bench sim: --relays must lie in 0..--nodes", file=sys.stderr)
+        return 2
     if args.nodes > args.clients:
         print("fedbus bench sim: --nodes must not exceed --clients", file=sys.stderr)
         return 2

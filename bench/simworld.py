@@ -97,6 +97,7 @@ class SimSocket:
 
     def __init__(self, world: World, owner: str):
         self.world, self.owner = world, owner
+        self.key = ("", owner)  # (broker, party): set on connect
         self.inbox: list[SimFrame] = []
         self.open = True
         self._out: list[bytes] = []
@@ -108,13 +109,14 @@ class SimSocket:
         return 0
 
     def connect(self, endpoint: str) -> None:
-        self.world.conns[self.owner] = self
+        self.key = (endpoint.split("://", 1)[1], self.owner)
+        self.world.conns[self.key] = self
 
     def send(self, frame: Any, flags: int = 0, copy: bool = True, track: bool = False) -> None:
         self._out.append(bytes(frame))
         if not flags & SNDMORE:
             frames, self._out = self._out, []
-            self.world.transmit(self.owner, "broker", frames, self)
+            self.world.transmit(self.key, True, frames, self)
 
     def recv(self, flags: int = 0, copy: bool = True) -> SimFrame:
         if not self.inbox:
@@ -123,8 +125,8 @@ class SimSocket:
 
     def close(self, linger: int | None = None) -> None:
         self.open = False
-        if self.world.conns.get(self.owner) is self:
-            del self.world.conns[self.owner]
+        if self.world.conns.get(self.key) is self:
+            del self.world.conns[self.key]
 
 
 class SimContext:
@@ -141,15 +143,15 @@ class SimContext:
 class BrokerTap:
     """The Broker's raw send: [routing id, header, body] to the network."""
 
-    def __init__(self, world: World, broker: Any):
-        self.world, self.broker = world, broker
+    def __init__(self, world: World, name: str, broker: Any):
+        self.world, self.name, self.broker = world, name, broker
         self._out: list[bytes] = []
 
     def send(self, frame: Any, flags: int = 0, copy: bool = True, track: bool = False) -> None:
         self._out.append(bytes(frame))
         if not flags & SNDMORE:
             (rid, *frames), self._out = self._out, []
-            self.world.transmit("broker", rid.decode(), frames, self.broker)
+            self.world.transmit((self.name, rid.decode()), False, frames, self.broker)
 
 
 class HeldSends:
@@ -270,7 +272,8 @@ class World:
     """One seed's federation: a broker, a server, client nodes, a network, a clock."""
 
     def __init__(self, seed: int, *, faults: int = 3, rounds: int = 6, clients: int = 4,
-                 nodes: int = 2, algorithm: str = "noop", mode: str = "sync",
+                 nodes: int = 2, relays: int = 0, algorithm: str = "noop",
+                 mode: str = "sync",
                  workdir: Path | None = None,
                  horizon_s: float = 900.0, record: Callable[[str], None] | None = None):
         from fedbus.node.config import build_config
@@ -294,9 +297,12 @@ class World:
         self._order = itertools.count()
         self._incs = itertools.count(1)
         self.sha = hashlib.sha256()
-        self.conns: dict[str, SimSocket] = {}
-        self.cut: dict[str, float] = {}  # party -> when its link to the broker is up again
-        self.stopped: dict[str, float] = {}  # party -> when a stopped process resumes
+        self.conns: dict[tuple[str, str], SimSocket] = {}  # (broker, party) -> connection
+        self.parties: dict[tuple[str, str], tuple] = {}  # (broker, party) -> (owner, peer, tag)
+        self.procs: dict[tuple[str, str], str] = {}  # (broker, party) -> its process's name
+        self.brokers: dict[str, Any] = {}  # name -> Broker ("broker"; relays' "site<j>")
+        self.cut: dict[str, float] = {}  # process -> when its links are up again
+        self.stopped: dict[str, float] = {}  # process -> when a stopped process resumes
         self.held_links: list[tuple] = []  # frames waiting for a cut link to heal
         self._link_last: dict[tuple[int, int], float] = {}  # connection -> its last arrival
         # the network, drawn per seed
@@ -309,13 +315,17 @@ class World:
                                                       replace=False)}
         self.node_clients = {f"n{i}": [c for c in range(clients) if c % nodes == i]
                              for i in range(nodes)}
+        # with relays, node i sits below relay i % relays, on that relay's site broker
+        self.relay_names = [f"r{j}" for j in range(relays)]
+        self.node_broker = {f"n{i}": f"site{i % relays}" if relays else "broker"
+                            for i in range(nodes)}
+        self.relays: dict[str, SimRelay] = {}
         self.faults = self._schedule(faults, nodes)
         # the history the chaos invariants read (fedbus.bench.chaos.read_history's format)
         self.history: list[dict] = []
         self.kills: list[dict] = []
         self.problems: list[str] = []
         self.n_frames = self.n_dropped = self.n_dup = 0
-        self.broker = None
         self.server: SimServer | None = None
         self.nodes: dict[str, SimNode] = {}
         self.exited: dict[str, int] = {}  # party -> exit code
@@ -326,10 +336,14 @@ class World:
 
     def _schedule(self, n: int, nodes: int) -> list[Fault]:
         out = []
+        kinds = FAULT_KINDS + (("relay_kill",) if self.relay_names else ())
         for _ in range(n):
-            kind = str(self.rng.choice(FAULT_KINDS))
+            kind = str(self.rng.choice(kinds))
             target = {"server_kill": "server", "server_kill_at_checkpoint": "server",
                       "broker_kill": "broker"}.get(kind) or f"n{int(self.rng.integers(nodes))}"
+            if kind == "relay_kill" or (kind == "link_cut" and self.relay_names and
+                                        self.rng.random() < 0.5):
+                target = str(self.rng.choice(self.relay_names))
             out.append(Fault(kind, target, int(self.rng.integers(0, max(1, self.rounds - 1))),
                              float(self.rng.uniform(0.0, 2.0)),
                              float(self.rng.uniform(0.5, 3 * HEARTBEAT_S * LIVENESS))))
@@ -346,16 +360,15 @@ class World:
     def new_inc(self) -> int:
         return (self.seed << 20 | next(self._incs)) & ((1 << 63) - 1) or 1
 
-    def transmit(self, src: str, dst: str, frames: list[bytes], via: Any) -> None:
-        """A frame pair leaves `src` for `dst` (the broker, or a party from the broker)."""
+    def transmit(self, key: tuple[str, str], up: bool, frames: list[bytes], via: Any) -> None:
+        """A frame pair between party key[1] and broker key[0], up (to the broker) or down."""
         from fedbus.broker.wire import header_fields
 
         try:
             kind = header_fields(frames[0])[0]
         except ValueError:
             kind = "?"
-        party = dst if src == "broker" else src
-        target = self.conns.get(dst) if src == "broker" else self.broker
+        target = self.brokers.get(key[0]) if up else self.conns.get(key)
         if target is None:
             return  # no connection: zmq would refuse or drop it
         copies = 1
@@ -369,8 +382,8 @@ class World:
             delay = self.latency_s + float(self.rng.exponential(self.jitter_s or 1e-6))
             if i:
                 delay += float(self.rng.uniform(0.0, 0.3))  # a resend, later
-            self.at(self._fifo(via, target, self.clock.t + delay), self._deliver, src, dst,
-                    party, frames, target, via, bool(i), False)
+            self.at(self._fifo(via, target, self.clock.t + delay), self._deliver, key, up,
+                    frames, target, via, bool(i), False)
 
     def _fifo(self, via: Any, target: Any, t: float) -> float:
         """A connection is a TCP stream: what one end sends arrives in order (messages
@@ -381,71 +394,74 @@ class World:
         return t
 
     def _live(self, via: Any) -> bool:
-        return via.open if isinstance(via, SimSocket) else via is self.broker
+        return via.open if isinstance(via, SimSocket) else \
+            any(via is b for b in self.brokers.values())
 
-    def _deliver(self, src: str, dst: str, party: str, frames: list[bytes], target: Any,
+    def _deliver(self, key: tuple[str, str], up: bool, frames: list[bytes], target: Any,
                  via: Any, copy: bool, held: bool) -> None:
-        if self.cut.get(party, -1.0) > self.clock.t:
-            self.held_links.append((src, dst, party, frames, target, via, copy, True))
+        proc = self.procs.get(key, key[1])
+        if self.cut.get(proc, -1.0) > self.clock.t:
+            self.held_links.append((key, up, frames, target, via, copy, True))
             return
         if (copy or held) and not self._live(via):
             # a resend comes from a live connection only; what a cut link held dies with
             # the connection that sent it (a socket closed with linger 0 resets it)
             return
-        if dst == "broker":
-            if target is not self.broker:
+        bname, party = key
+        if up:
+            if target is not self.brokers.get(bname):
                 return  # that broker is gone
             self.n_frames += 1
-            self.note("deliver", src, dst, frames[0], hashlib.sha256(frames[1]).digest())
-            self.broker.now = self.clock.monotonic()
-            self.broker.dispatch(src.encode(), frames[0], frames[1])
+            self.note("deliver", party, bname, frames[0], hashlib.sha256(frames[1]).digest())
+            target.now = self.clock.monotonic()
+            target.dispatch(party.encode(), frames[0], frames[1])
             return
-        if self.conns.get(dst) is not target or not target.open:
+        if self.conns.get(key) is not target or not target.open:
             return  # that connection was closed: what was in flight is lost
-        if self.stopped.get(dst, -1.0) > self.clock.t:
-            self.at(self.stopped[dst], self._deliver, src, dst, party, frames, target, via,
-                    copy, held)
+        if self.stopped.get(proc, -1.0) > self.clock.t:
+            self.at(self.stopped[proc], self._deliver, key, up, frames, target, via, copy, held)
             return
         self.n_frames += 1
-        self.note("deliver", src, dst, frames[0], hashlib.sha256(frames[1]).digest())
+        self.note("deliver", bname, party, frames[0], hashlib.sha256(frames[1]).digest())
         hdr = SimFrame(frames[0])
         hdr.more = True
         target.inbox += [hdr, SimFrame(frames[1])]
-        party_obj = self.server if dst == "server" else self.nodes.get(dst)
-        if party_obj is not None and party_obj.peer._sock is target:
-            party_obj.peer._drain_socket()
-            party_obj.wake()
+        owner = self.parties.get(key)
+        if owner is not None and owner[1]._sock is target:
+            owner[1]._drain_socket()
+            owner[0].wake(owner[2])
 
-    def heal(self, party: str) -> None:
-        self.note("heal", party)
+    def heal(self, proc: str) -> None:
+        self.note("heal", proc)
         held, self.held_links = self.held_links, []
         for item in held:
-            if item[2] == party:
-                self.at(self._fifo(item[5], item[4], self.clock.t + self.latency_s),
+            if self.procs.get(item[0], item[0][1]) == proc:
+                self.at(self._fifo(item[4], item[3], self.clock.t + self.latency_s),
                         self._deliver, *item)
             else:
                 self.held_links.append(item)
 
     # ------------------------------------------------------------------ parties
 
-    def start_broker(self) -> None:
+    def start_broker(self, name: str = "broker") -> None:
         from fedbus.broker.broker import Broker
 
-        if self.broker is not None:
-            self.broker.close()
-        b = Broker(f"inproc://fedbus-sim-{id(self)}-{self.clock.t}", heartbeat_s=HEARTBEAT_S,
-                   liveness=LIVENESS, grace_s=4 * HEARTBEAT_S * LIVENESS)
+        if self.brokers.get(name) is not None:
+            self.brokers[name].close()
+        b = Broker(f"inproc://fedbus-sim-{id(self)}-{name}-{self.clock.t}",
+                   heartbeat_s=HEARTBEAT_S, liveness=LIVENESS,
+                   grace_s=4 * HEARTBEAT_S * LIVENESS)
         b.inc = self.new_inc()
-        b._send = BrokerTap(self, b).send
+        b._send = BrokerTap(self, name, b).send
         b._croute = None
         b.started = b.now = self.clock.monotonic()
-        self.broker = b
-        self.note("broker_up", b.inc)
-        self.at(self.clock.t + HEARTBEAT_S, self._broker_timers, b)
+        self.brokers[name] = b
+        self.note("broker_up", name, b.inc)
+        self.at(self.clock.t + HEARTBEAT_S, self._broker_timers, name, b)
 
-    def _broker_timers(self, b: Any) -> None:
+    def _broker_timers(self, name: str, b: Any) -> None:
         """Broker.run's timer part, on the simulated clock."""
-        if b is not self.broker:
+        if b is not self.brokers.get(name):
             return
         b.now = self.clock.monotonic()
         if b.backlogged:
@@ -456,32 +472,42 @@ class World:
         if b.now >= b.no_purge_until:
             b.purge_dead()
         b.expire_parked()
-        self.at(self.clock.t + HEARTBEAT_S, self._broker_timers, b)
+        self.at(self.clock.t + HEARTBEAT_S, self._broker_timers, name, b)
 
-    def make_peer(self, name: str, **kw: Any) -> Any:
+    def make_peer(self, owner: Any, name: str, broker: str = "broker", tag: str = "",
+                  **kw: Any) -> Any:
+        """A real Peer of process `owner`, connected through the simulated network, its I/O
+        driven by io_step (owner.wake(tag) is told when application messages wait)."""
         from fedbus.broker.peer import Peer
 
-        peer = Peer("sim://broker", name, heartbeat_s=HEARTBEAT_S, liveness=LIVENESS, **kw)
+        peer = Peer(f"sim://{broker}", name, heartbeat_s=HEARTBEAT_S, liveness=LIVENESS, **kw)
         peer.inc = self.new_inc()
         peer._ctx = SimContext(self, name)
+        self.parties[(broker, name)] = (owner, peer, tag)
+        self.procs[(broker, name)] = owner.name
         peer._connect()
+        self.at(self.clock.t, self.io_step, owner, peer, tag)
         return peer
 
-    def peer_timers(self, party: Any) -> None:
-        """Peer._io_step's timer part, on the simulated clock."""
-        if not party.alive:
+    def io_step(self, owner: Any, peer: Any, tag: str = "") -> None:
+        """Peer._io_step without its poll, on the simulated clock (again at its deadline)."""
+        from fedbus.broker.peer import _READY
+
+        if not owner.alive or peer._closed:
             return
-        peer = party.peer
         now = self.clock.monotonic()
-        if self.stopped.get(party.name, -1.0) > self.clock.t:
-            self.at(self.stopped[party.name], self.peer_timers, party)
+        if self.stopped.get(owner.name, -1.0) > self.clock.t:
+            self.at(self.stopped[owner.name], self.io_step, owner, peer, tag)
             return
+        if peer._reregister and peer._state == _READY:
+            peer._reregister = False
+            peer._register()
         peer._take_outgoing()
         peer._timers(now)
         if peer._sock is not None and peer._sock.inbox:
             peer._drain_socket()
-            party.wake()
-        self.at(max(peer._next_deadline(now), now + 0.01), self.peer_timers, party)
+            owner.wake(tag)
+        self.at(max(peer._next_deadline(now), now + 0.01), self.io_step, owner, peer, tag)
 
     # ------------------------------------------------------------------ faults
 
@@ -501,7 +527,9 @@ class World:
             return "target already down"
         if f.kind == "server_kill_at_checkpoint" and self.server.die_at_checkpoint is not None:
             return "a kill at the checkpoint was armed already"
-        if f.kind == "broker_kill" and self.broker is None:
+        if f.kind == "broker_kill" and self.brokers.get("broker") is None:
+            return "target already down"
+        if f.kind == "relay_kill" and not getattr(self.relays.get(f.target), "alive", False):
             return "target already down"
         return ""
 
@@ -526,9 +554,11 @@ class World:
         elif f.kind == "server_kill_at_checkpoint":
             self.server.die_at_checkpoint = f  # fires inside the next _record
         elif f.kind == "broker_kill":
-            old, self.broker = self.broker, None
-            old.close()
+            self.brokers.pop("broker").close()
             self.at(self.clock.t + f.hold_s, self.start_broker)
+        elif f.kind == "relay_kill":
+            self.relays[f.target].kill()
+            self.at(self.clock.t + f.hold_s, self.start_relay, f.target)
 
     def kill_server(self, f: Fault) -> None:
         from fedbus.bench.chaos import _checkpoint_version, read_metrics
@@ -549,6 +579,9 @@ class World:
     def start_server(self, resume: bool) -> None:
         self.server = SimServer(self, resume)
 
+    def start_relay(self, name: str) -> None:
+        self.relays[name] = SimRelay(self, name)
+
     def start_node(self, name: str) -> None:
         self.nodes[name] = SimNode(self, name, self.node_clients[name])
 
@@ -558,6 +591,9 @@ class World:
         with simulated_time(self.clock):
             self.start_broker()
             self.start_server(False)
+            for j, name in enumerate(self.relay_names):
+                self.start_broker(f"site{j}")
+                self.start_relay(name)
             for name in self.node_clients:
                 self.start_node(name)
             n = 0
@@ -570,17 +606,20 @@ class World:
                 self.clock.t = max(self.clock.t, t)
                 fn(*args)
                 n += 1
-            for node in self.nodes.values():
-                if node.alive:
-                    why = " (the server ended with the broker down: its shutdown was lost)" \
-                        if self.shutdown_unsent else "" if node.node.run_id else \
-                        " (not configured since its start: it registered with no run id)"
-                    self.problems.append(f"node {node.name} never took the shutdown{why}")
-                    node.kill()
+            for what, parties in (("relay", self.relays), ("node", self.nodes)):
+                for node in parties.values():
+                    if node.alive:
+                        run = node.relay.run_id if what == "relay" else node.node.run_id
+                        why = " (the server ended with the broker down: its shutdown was " \
+                            "lost)" if self.shutdown_unsent else "" if run else \
+                            " (not configured since its start: it registered with no run id)"
+                        self.problems.append(f"{what} {node.name} never took the "
+                                             f"shutdown{why}")
+                        node.kill()
             if self.server is not None:
                 self.server.kill()
-            if self.broker is not None:
-                self.broker.close()
+            for b in self.brokers.values():
+                b.close()
         del server_mod  # (imported for its patched clock's lifetime only)
         res = SimResult(self.seed, self.sha.hexdigest(), faults=self.faults, events=n,
                         frames=self.n_frames, dropped=self.n_dropped, duplicated=self.n_dup,
@@ -593,7 +632,7 @@ class World:
 
     def finished(self) -> bool:
         return self.server is None and self.server_rc is not None and \
-            all(not n.alive for n in self.nodes.values())
+            all(not n.alive for n in [*self.nodes.values(), *self.relays.values()])
 
     def close(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -647,11 +686,10 @@ class SimServer:
                                   "digest": "" if state is None else state_digest(state)})
             outs = srv.engine.on_resumed(world.clock.time())
         world.note("server_up", resume)
-        self.peer = world.make_peer("server", role="server", run=world.run_id,
+        self.peer = world.make_peer(self, "server", role="server", run=world.run_id,
                                     max_frame=world.cfg.bus.max_frame_mb << 20)
         self._tick_at: float | None = None
         self._step(lambda: outs)
-        world.at(world.clock.t, world.peer_timers, self)
 
     def _linger(self) -> None:
         """Peer.close: up to its linger, while registered, for what is not acknowledged."""
@@ -662,7 +700,7 @@ class SimServer:
             world.at(world.clock.t + 0.01, self._linger)
             return
         self.alive = False
-        world.shutdown_unsent = world.broker is None or p._state != _READY
+        world.shutdown_unsent = world.brokers.get("broker") is None or p._state != _READY
         p._goodbye()
         p.close(0)
         if p._sock is not None:
@@ -680,7 +718,7 @@ class SimServer:
         self.peer.close(0)
         self.srv.run.close()
 
-    def wake(self) -> None:
+    def wake(self, tag: str = "") -> None:
         while self.alive and self.exiting is None:
             msg = self.peer.recv(timeout=0)
             if msg is None:
@@ -704,6 +742,13 @@ class SimServer:
                                   "round": task.round, "version": task.version,
                                   "task": task.id, "inc": msg.inc,
                                   "node": e.host.get(client), "src": msg.src})
+        elif msg.kind == "merged":  # a relay's: each member taken (read_history's rule)
+            for address, tid, _n, _w in body["members"]:
+                task = e.tasks[tid]
+                world.history.append({"op": "accept", "i": len(world.history),
+                                      "client": client_index(address), "round": task.round,
+                                      "version": task.version, "task": tid, "inc": msg.inc,
+                                      "node": msg.src, "src": msg.src})
         elif msg.kind == "config":
             node = config_sender(e, msg.src)
             if node is not None:
@@ -752,12 +797,11 @@ class SimNode:
         self.world, self.name, self.alive = world, name, True
         self.node = ClientNode("sim://broker", clients, name=name, state_dir=world.state_dir,
                                heartbeat_s=HEARTBEAT_S, liveness=LIVENESS)
-        self.peer = world.make_peer(name, role="client",
+        self.peer = world.make_peer(self, name, world.node_broker[name], role="client",
                                     addresses=[client_address(c) for c in clients])
         self.node.peer = self.held = HeldSends(self.peer)
         self.busy = False
         world.note("node_up", name, self.peer.inc)
-        world.at(world.clock.t, world.peer_timers, self)
 
     def kill(self) -> None:
         if not self.alive:
@@ -768,7 +812,7 @@ class SimNode:
             self.peer._sock.close()
         self.peer.close(0)
 
-    def wake(self) -> None:
+    def wake(self, tag: str = "") -> None:
         if not self.alive or self.busy:
             return
         if self.world.stopped.get(self.name, -1.0) > self.world.clock.t:
@@ -814,3 +858,84 @@ class SimNode:
         self.busy = False
         self.held.release()
         self.wake()
+
+
+class SimRelay:
+    """Relay under the simulation: its serve loop's body, mirrored (from_server for the
+    upstream Peer's messages, from_site for the site's, close_expired at group deadlines).
+    Its site broker lives on across a relay kill."""
+
+    def __init__(self, world: World, name: str):
+        from fedbus.node.relay import Relay
+
+        self.world, self.name, self.alive = world, name, True
+        site = f"site{world.relay_names.index(name)}"
+        r = self.relay = Relay("sim://broker", f"sim://{site}", name, heartbeat_s=HEARTBEAT_S,
+                               liveness=LIVENESS, max_frame_mb=world.cfg.bus.max_frame_mb)
+        r.down = world.make_peer(self, "server", site, "down", role="server",
+                                 max_frame=r.max_frame)
+        r.up = world.make_peer(self, name, "broker", "up", role="client", addresses=(),
+                               max_frame=r.max_frame)
+        r._running = True
+        self._expiry: float | None = None
+        world.note("relay_up", name, r.up.inc)
+
+    def kill(self) -> None:
+        if not self.alive:
+            return
+        self.alive = False
+        self.world.note("relay_killed", self.name)
+        for p in (self.relay.up, self.relay.down):
+            if p._sock is not None:
+                p._sock.close()
+            p.close(0)
+
+    def wake(self, tag: str) -> None:
+        r, world = self.relay, self.world
+        peer = r.up if tag == "up" else r.down
+        while self.alive:
+            msg = peer.recv(timeout=0)
+            if msg is None:
+                break
+            try:
+                if tag == "up":
+                    if r.from_server(msg):
+                        self._exit()
+                        return
+                else:
+                    r.from_site(msg)
+            except Exception as err:  # noqa: BLE001 (as Relay.serve: one message, not the site)
+                r.stats["failed_messages"] += 1
+                world.problems.append(f"relay {self.name} failed on a {msg.kind}: "
+                                      f"{type(err).__name__}: {err}")
+            self._expire()
+        self._schedule()
+
+    def _expire(self, at: float | None = None) -> None:
+        if not self.alive or (at is not None and at != self._expiry):
+            return
+        if at is not None:
+            self._expiry = None
+        self.relay.close_expired(self.world.clock.monotonic())
+        self.relay.up._take_outgoing()
+        self.relay.down._take_outgoing()
+        if at is not None:
+            self._schedule()
+
+    def _schedule(self) -> None:
+        open_ = [g.deadline for g in self.relay.groups.values() if not g.closed]
+        if open_ and (self._expiry is None or min(open_) < self._expiry):
+            self._expiry = min(open_)
+            self.world.at(max(self._expiry, self.world.clock.t), self._expire, self._expiry)
+
+    def _exit(self) -> None:
+        """serve's finally: both peers closed (with their linger: the shutdown goes down)."""
+        self.alive = False
+        for p in (self.relay.down, self.relay.up):
+            p._take_outgoing()
+            p._goodbye()
+            p.close(0)
+            if p._sock is not None:
+                p._sock.close()
+        self.world.exited[self.name] = 0
+        self.world.note("relay_exit", self.name)

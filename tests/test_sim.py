@@ -68,6 +68,17 @@ def test_seeds_run_clean_with_every_fault_kind():
     assert fired >= 2 * len(CLEAN_SEEDS)
 
 
+def test_relay_seeds_run_clean():
+    """Both nodes below one relay (node/relay.py) on its own site broker; relay kills too."""
+    kinds = set()
+    for seed in range(20):
+        res = run(seed, relays=1)
+        assert not unexplained(res.violations), (seed, [str(v) for v in res.violations])
+        assert res.rounds_done == 6, seed
+        kinds |= {f.kind for f in res.faults if f.fired_at >= 0}
+    assert "relay_kill" in kinds
+
+
 def test_async_seeds_run_clean():
     for seed in range(20):
         res = run(seed, mode="async")
