@@ -18,12 +18,14 @@ import time
 import warnings
 from pathlib import Path
 
+from fedbus.launch import streams
 from fedbus.launch.common import add_config_arguments, config_from_args
 from fedbus.launch.devices import assign, format_ids, split_clients, visible_gpus
 from fedbus.launch.preflight import PreflightError, check_inputs
 from fedbus.launch.processes import Federation, preload, start_method
 from fedbus.launch.progress import Progress, print_summary
 from fedbus.launch.server_cmd import default_run_dir
+from fedbus.record.rundir import read_metrics
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -98,7 +100,7 @@ def main(args: argparse.Namespace) -> int:
 
         print(to_toml(cfg.to_dict()), end="")
         return 0
-    say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
+    say = (lambda *a: None) if args.quiet else (lambda *a: streams.err(" ".join(map(str, a))))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -173,15 +175,46 @@ def main(args: argparse.Namespace) -> int:
                       env=place.env, essential=not args.keep_going)
         code = supervise(fed, run_dir, cfg, quiet=args.quiet, say=say, interrupted=interrupted)
     except KeyboardInterrupt:
-        say(f"fedbus run: interrupted, stopping every process; continue with "
-            f"`fedbus run --resume {run_dir}`")
-        return 130
+        code = 128 + (interrupted() or signal.SIGINT)
     finally:
+        # the server takes SIGTERM as a stop: it leaves the run interrupted, not complete
         fed.stop()
         restore()
     if code == 0:
         say(f"next: fedbus plot {run_dir}   fedbus replay {run_dir}   fedbus log {run_dir}")
+    elif code != 2:
+        code = stopped(run_dir, cfg, code)
     return code
+
+
+def stopped(run_dir: Path, cfg, code: int) -> int:
+    """After a stop (a signal, a process that died): the line saying how to go on, even
+    under --quiet and with stdout or stderr a pipe whose reader died first. A run that
+    completed as it was stopped is complete (0); a signal's stop is 130 (SIGINT) or 143."""
+    from fedbus.analysis.table import load_run
+
+    streams.mute_if_broken(sys.stdout)
+    if load_run(run_dir).complete:
+        streams.tell(f"fedbus run: {run_dir} completed as it was stopped")
+        return 0
+    status = read_status(run_dir)
+    done = status.get("version", 0)
+    if (run_dir / "checkpoint.fbk").is_file():
+        how = f"continue with `fedbus run --resume {run_dir}`"
+    else:
+        how = (f"it stopped before its first round closed: start it again with "
+               f"`fedbus run ... --out {run_dir} --force`")
+    what = "interrupted" if code >= 128 else "stopped"
+    streams.tell(f"fedbus run: {what} after {done} of {cfg.federation.rounds} rounds; {how}")
+    return code
+
+
+def read_status(run_dir: Path) -> dict:
+    try:
+        status = json.loads((run_dir / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return status if isinstance(status, dict) else {}
 
 
 def resumable(args: argparse.Namespace):
@@ -193,28 +226,43 @@ def resumable(args: argparse.Namespace):
     if args.config or args.overrides or args.out or args.force:
         raise ValueError("--resume continues a run with its own config and directory; "
                          "drop CONFIG, --set, --out and --force")
-    if not (run_dir / "config.json").is_file():
-        raise ValueError(f"{run_dir} holds no run (no config.json)")
-    if (run_dir / "summary.json").is_file():
-        raise ValueError(f"{run_dir} is complete (summary.json): nothing to resume")
-    if not (run_dir / "checkpoint.fbk").is_file():
-        raise ValueError(f"{run_dir} has no checkpoint: it stopped before its first round "
-                         f"closed; start it again with --out {run_dir} --force")
-    from fedbus.node.server import read_checkpoint
-
-    from fedbus.record.rundir import read_metrics
-
-    read_checkpoint(run_dir / "checkpoint.fbk")  # CheckpointError: one line, before anything
-    read_metrics(run_dir)  # DamagedFile: likewise
+    refusal = resume_refusal(run_dir)
+    if refusal:
+        raise ValueError(refusal)
     try:
         cfg = load_run_config(run_dir / "config.json", [])
-    except (ConfigError, ValueError) as err:
-        raise ValueError(f"{run_dir / 'config.json'}: {err}") from None
+    except (ConfigError, ValueError) as error:
+        raise ValueError(f"{run_dir / 'config.json'}: {error}") from None
     if not args.no_client_state and not any((run_dir / "clients").glob("*/client-*.pt")):
         print(f"fedbus run: warning: {run_dir} holds no client states (started with "
               f"--no-client-state, or stopped before any task): every client starts again "
               f"from its initial state", file=sys.stderr)
     return run_dir, cfg
+
+
+def resume_refusal(run_dir: Path) -> str:
+    """Why the run in `run_dir` cannot be resumed, one line; "" when it can. A run is
+    complete when its summary.json holds every round (a stopped server writes none; one
+    short of rounds is an older fedbus's summary of a stopped run, resumed all the same)."""
+    from fedbus.analysis.table import load_run
+    from fedbus.node.server import read_checkpoint
+
+    if not (run_dir / "config.json").is_file():
+        return f"{run_dir} holds no run (no config.json)"
+    found = load_run(run_dir)
+    if found.complete:
+        return f"{run_dir} is complete (summary.json): nothing to resume"
+    if found.summary is not None and found.problem.startswith("summary.json or config"):
+        return f"{run_dir}: {found.problem}: cannot tell whether it is complete"
+    if not (run_dir / "checkpoint.fbk").is_file():
+        return (f"{run_dir} has no checkpoint: it stopped before its first round closed; "
+                f"start it again with --out {run_dir} --force")
+    try:
+        read_checkpoint(run_dir / "checkpoint.fbk")  # one line, before anything starts
+        read_metrics(run_dir)
+    except ValueError as error:  # CheckpointError, DamagedFile
+        return str(error)
+    return ""
 
 
 def clear_out(run_dir: Path, *, force: bool) -> None:
@@ -234,16 +282,25 @@ def clear_out(run_dir: Path, *, force: bool) -> None:
 
 
 def catch_interrupt():
-    """Ctrl-C sets a flag that the supervisor loop turns into KeyboardInterrupt at a point of
-    its choosing. Raised anywhere, it can land inside Popen.poll() between taking and
-    guarding the Popen's wait lock, and the stop that follows then blocks on that lock
-    forever. Returns (interrupted() -> bool, restore())."""
+    """Ctrl-C (SIGINT) and SIGTERM set a flag that the supervisor loop turns into
+    KeyboardInterrupt at a point of its choosing. Raised anywhere, it can land inside
+    Popen.poll() between taking and guarding the Popen's wait lock, and the stop that
+    follows then blocks on that lock forever. Returns (interrupted() -> the first signal's
+    number, 0 while none came; restore())."""
     hits: list[int] = []
+    old: dict[int, object] = {}
+
+    def restore() -> None:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
     try:
-        old = signal.signal(signal.SIGINT, lambda signum, _frame: hits.append(signum))
-    except ValueError:  # not the main thread: keep Python's default
-        return (lambda: False), (lambda: None)
-    return (lambda: bool(hits)), (lambda: signal.signal(signal.SIGINT, old))
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            old[sig] = signal.signal(sig, lambda signum, _frame: hits.append(signum))
+    except ValueError:  # not the main thread: keep Python's defaults
+        restore()
+        return (lambda: 0), (lambda: None)
+    return (lambda: hits[0] if hits else 0), restore
 
 
 def run_keys(cfg, run_dir: Path, groups: list[list[int]]) -> Path:
@@ -266,6 +323,11 @@ def run_keys(cfg, run_dir: Path, groups: list[list[int]]) -> Path:
     return keys
 
 
+# exit codes of a process a signal stopped: its own handling (130 SIGINT, 143 SIGTERM) or
+# the signal's default action (Popen's -N)
+SIGNALLED = (130, 143, -signal.SIGINT, -signal.SIGTERM)
+
+
 def supervise(fed: Federation, run_dir: Path, cfg, *, quiet: bool, say,
               interrupted=lambda: False) -> int:
     progress = Progress(run_dir, cfg, enabled=not quiet)
@@ -275,7 +337,10 @@ def supervise(fed: Federation, run_dir: Path, cfg, *, quiet: bool, say,
         while True:
             if interrupted():
                 raise KeyboardInterrupt
-            progress.refresh()
+            try:
+                progress.refresh()
+            except OSError:  # stderr's reader left (`| tee` that died): the run goes on
+                streams.mute(sys.stderr)
             if server.proc.poll() is not None:
                 break
             for child in fed.dead():
@@ -286,17 +351,19 @@ def supervise(fed: Federation, run_dir: Path, cfg, *, quiet: bool, say,
                     continue  # a node leaves cleanly on the server's shutdown message
                 if child.essential:
                     progress.stop()
-                    print(f"fedbus run: {child.name} exited with code {child.proc.returncode}: "
-                          f"{cause(child.log)} (log: {child.log}); stopping the run",
-                          file=sys.stderr)
-                    return 1
+                    streams.err(f"fedbus run: {child.name} exited with code {child.proc.returncode}: "
+                        f"{cause(child.log)} (log: {child.log}); stopping the run")
+                    return 130 if child.proc.returncode in SIGNALLED else 1
                 say(f"fedbus run: {child.name} died (code {child.proc.returncode}): "
                     f"{cause(child.log)}; going on")
             time.sleep(0.05)
     code = server.proc.returncode
+    if code in SIGNALLED:
+        streams.err(f"fedbus run: the server was stopped by a signal (exit {code})")
+        return 130
     if code != 0:
-        print(f"fedbus run: the server exited with code {code}: {cause(server.log)} "
-              f"(log: {server.log})", file=sys.stderr)
+        streams.err(f"fedbus run: the server exited with code {code}: {cause(server.log)} "
+            f"(log: {server.log})")
         return 1
     # nodes leave on the server's shutdown message; give them a moment
     end = time.time() + 5
@@ -305,5 +372,8 @@ def supervise(fed: Federation, run_dir: Path, cfg, *, quiet: bool, say,
         time.sleep(0.02)
     summary_path = run_dir / "summary.json"
     if not quiet and summary_path.exists():
-        print_summary(json.loads(summary_path.read_text()), run_dir)
+        try:
+            print_summary(json.loads(summary_path.read_text()), run_dir)
+        except OSError:  # stdout's reader left: the summary is in the run directory
+            streams.mute(sys.stdout)
     return 0

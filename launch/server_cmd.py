@@ -81,7 +81,14 @@ def main(args: argparse.Namespace) -> int:
     except DamagedFile as err:
         print(f"fedbus server: {err}", file=sys.stderr)
         return 2
-    return server.serve()
+    code = server.serve()
+    if code in (130, 143):  # SIGINT, SIGTERM: the run stopped where its checkpoint is
+        redo = (f"continue with `fedbus server --broker {args.broker} --resume {run_dir}`"
+                if (run_dir / "checkpoint.fbk").is_file() else
+                "it stopped before its first round closed: start it again")
+        print(f"fedbus server: interrupted after {server.engine.version} of "
+              f"{cfg.federation.rounds} rounds; {redo}", file=sys.stderr)
+    return code
 
 
 def attach_ffd(server, cfg) -> None:

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from fedbus.analysis.table import SWEEP_FILE, is_run_dir, load_run, metric_value
+from fedbus.launch import streams
 from fedbus.launch.common import add_config_arguments
-from fedbus.launch.run_cmd import catch_interrupt
+from fedbus.launch.run_cmd import SIGNALLED, catch_interrupt, resume_refusal
 from fedbus.node.config import ConfigError, load_config
 from fedbus.node.lifetime import die_with_parent, fedbus_command
 
@@ -43,8 +44,9 @@ also sets lam, FedProto's, which a FedAvg run refuses (give such a key with --gr
 a range (3-5) runs those seeds; without --seeds, the config's own seed. Runs are named
 VALUE (algorithm.name) or KEY=VALUE (other keys, by their last part) joined by '-', then
 s<seed>. A run whose summary.json holds every round is skipped when the sweep is run
-again (its config must be the one asked for, else the sweep refuses); an incomplete one
-is moved aside to NAME.incomplete-K and run again. Each run's own output goes to
+again (its config must be the one asked for, else the sweep refuses); an interrupted one
+(Ctrl-C) of that config continues from its checkpoint (`fedbus run --resume`); any other
+incomplete one is moved aside to NAME.incomplete-K and run again. Each run's output goes to
 DIR/sweep-logs/NAME.log. Runs start in this working directory (relative paths mean what
 they mean to `fedbus run`) but never import from it, so a folder there named like a
 package cannot stand in for fedbus or a plugin."""
@@ -176,6 +178,7 @@ class PlannedRun:
     note: str = ""
     wall_s: float | None = None
     moved_to: str = ""  # where an incomplete earlier attempt was moved
+    resume: bool = False  # an interrupted earlier attempt: `fedbus run --resume` goes on
 
 
 @dataclass
@@ -263,6 +266,10 @@ def check_existing(plan: Plan, out: Path, previous: dict[str, Any] | None) -> No
         found = load_run(path)
         if not found.complete:
             run.note = found.problem if is_run_dir(path) else "not a run directory"
+            if is_run_dir(path) and not differs(found.config, run.config) and \
+                    not resume_refusal(path):
+                run.resume = True
+                run.note = f"{found.problem}: resuming it"
             continue
         why = differs(found.config, run.config)
         if why:
@@ -357,9 +364,12 @@ def start(run: PlannedRun, plan: Plan, out: Path, slot: int, cpus: list[int]) ->
     logs = out / LOG_DIR
     logs.mkdir(exist_ok=True)
     log = logs / f"{run.name}.log"
-    argv = ["run", *([plan.config_file] if plan.config_file else []),
-            *[a for s in [*plan.sets, *run.overrides] for a in ("--set", s)],
-            "--out", str(out / run.name), "--quiet"]
+    if run.resume:  # its config.json is the one asked for (check_existing)
+        argv = ["run", "--resume", str(out / run.name), "--quiet"]
+    else:
+        argv = ["run", *([plan.config_file] if plan.config_file else []),
+                *[a for s in [*plan.sets, *run.overrides] for a in ("--set", s)],
+                "--out", str(out / run.name), "--quiet"]
     with open(log, "a") as f:
         f.write(f"== {time.strftime('%Y-%m-%d %H:%M:%S')} fedbus {' '.join(argv)}\n")
 
@@ -387,17 +397,20 @@ def outcome(job: Running, out: Path) -> str:
         accs = [f"{m} {100 * v:.2f} %" for m in ("acc", "proto_acc")
                 if (v := metric_value(found.summary or {}, m)) is not None]
         return f"  done    {run.name} in {run.wall_s:.1f} s: {', '.join(accs) or 'no accuracy'}"
-    run.status = "failed"
+    run.status = "interrupted" if code in SIGNALLED else "failed"
     run.note = f"exit {code}: {last_line(job.log)}"
     own = out / run.name / "logs"
-    return (f"  FAILED  {run.name} in {run.wall_s:.1f} s, {run.note} (log: {job.log}"
+    label = "STOPPED " if run.status == "interrupted" else "FAILED  "
+    return (f"  {label}{run.name} in {run.wall_s:.1f} s, {run.note} (log: {job.log}"
             + (f"; the run's own logs: {own})" if own.is_dir() else ")"))
 
 
-def execute(plan: Plan, out: Path, jobs: int, previous: dict[str, Any] | None, say) -> bool:
-    """Run the pending runs, `jobs` at a time; False when interrupted. Ctrl-C is a flag
-    checked between polls (run_cmd.catch_interrupt: raised inside Popen it could leave a
-    child unwaited for), passed on to the running launchers, which stop their runs."""
+def execute(plan: Plan, out: Path, jobs: int, previous: dict[str, Any] | None, say) -> int:
+    """Run the pending runs, `jobs` at a time; 0, or the number of the signal that
+    interrupted it. Ctrl-C (SIGINT) or SIGTERM is a flag checked between polls
+    (run_cmd.catch_interrupt: raised inside Popen it could leave a child unwaited for),
+    passed on to the running launchers as SIGINT: each stops its run resumable, and the
+    same sweep command again resumes it."""
     cpus = usable_cpus()
     queue = [r for r in plan.runs if r.status == "pending"]
     running: list[Running] = []
@@ -410,7 +423,9 @@ def execute(plan: Plan, out: Path, jobs: int, previous: dict[str, Any] | None, s
             while queue and len(running) < jobs:
                 run = queue.pop(0)
                 path = out / run.name
-                if path.exists():
+                if run.resume:
+                    say(f"  {run.name}: {run.note}")
+                elif path.exists():
                     if is_run_dir(path) or any(path.iterdir()):
                         run.moved_to = move_aside(path).name
                         say(f"  {run.name}: {run.note}: moved to {run.moved_to}, running "
@@ -438,12 +453,13 @@ def execute(plan: Plan, out: Path, jobs: int, previous: dict[str, Any] | None, s
             if load_run(out / job.run.name).complete:  # it finished as we stopped it
                 job.run.status, job.run.note = "complete", "finished while interrupted"
             else:
-                job.run.status, job.run.note = "interrupted", "stopped by Ctrl-C"
+                job.run.status = "interrupted"
+                job.run.note = f"stopped by {signal.Signals(interrupted() or 2).name}"
         write_sweep(plan, out, previous)
-        return False
+        return interrupted() or signal.SIGINT
     finally:
         restore()
-    return True
+    return 0
 
 
 # --- the command ---------------------------------------------------------------------
@@ -472,7 +488,7 @@ def main(args: argparse.Namespace) -> int:
           flush=True)
     if args.dry_run:
         for run in plan.runs:
-            what = run.note if run.status == "complete" else (
+            what = run.note if run.status == "complete" or run.resume else (
                 f"{run.note}: would move it aside and run" if run.note else "would run")
             print(f"  {run.name}: --set {' --set '.join(run.overrides)}: {what}")
         return 0
@@ -490,21 +506,25 @@ def main(args: argparse.Namespace) -> int:
             print(f"  skip    {run.name}: {run.note}")
     t0 = time.perf_counter()
     write_sweep(plan, out, previous)
-    finished = execute(plan, out, jobs, previous, lambda line: print(line, flush=True))
+    stopped_by = execute(plan, out, jobs, previous, streams.out)
+    finished = not stopped_by
     counts = {s: sum(r.status == s for r in plan.runs)
               for s in ("complete", "failed", "interrupted", "pending")}
     skipped = len(plan.runs) - len(pending)
-    print(f"fedbus sweep: {counts['complete']} complete ({skipped} skipped), "
-          f"{counts['failed']} failed"
-          + (f", {counts['interrupted']} interrupted, {counts['pending']} not started"
-             if not finished else "")
-          + f", in {time.perf_counter() - t0:.1f} s; {out / SWEEP_FILE}")
+    streams.out(f"fedbus sweep: {counts['complete']} complete ({skipped} skipped), "
+                f"{counts['failed']} failed"
+                + (f", {counts['interrupted']} interrupted" if counts["interrupted"] or
+                   not finished else "")
+                + (f", {counts['pending']} not started" if not finished else "")
+                + f", in {time.perf_counter() - t0:.1f} s; {out / SWEEP_FILE}")
     if not finished:
-        print("fedbus sweep: interrupted; the same command continues it", file=sys.stderr)
-        return 130
+        streams.mute_if_broken(sys.stdout)
+        streams.tell("fedbus sweep: interrupted; the same command continues it (an "
+                     "interrupted run resumes where it stopped)")
+        return 128 + stopped_by
     first = next(iter(plan.grid), None)
     hint = f" --baseline {plan.grid[first][0]}" if first and len(plan.seeds) > 1 else ""
     if counts["complete"]:
-        print(f"next: fedbus table {out}{hint}   fedbus plot --group-by "
-              f"{first or 'algorithm.name'} {out}")
-    return 1 if counts["failed"] else 0
+        streams.out(f"next: fedbus table {out}{hint}   fedbus plot --group-by "
+                    f"{first or 'algorithm.name'} {out}")
+    return 1 if counts["failed"] or counts["interrupted"] else 0

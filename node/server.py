@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 
 import json
+import signal
 import sys
 import time
 import uuid
@@ -424,8 +425,17 @@ class ServerNode:
         atomic_write(self.run.path / "checkpoint.fbk", checkpoint_bytes(state))
 
     def serve(self) -> int:
-        cfg = self.cfg
+        """Run until the engine is done (0), or until SIGINT/SIGTERM (128 + the signal's
+        number): a stopped run is left resumable, never marked complete (_stopped)."""
         torch.set_num_threads(1)  # replay runs the server's mathematics on one thread too
+        stop = StopSignals()
+        try:
+            return self._serve(stop)
+        finally:
+            stop.restore()
+
+    def _serve(self, stop: StopSignals) -> int:
+        cfg = self.cfg
         if not self.resume:
             self.run.write_config(cfg.to_dict())
         if cfg.log.messages:
@@ -448,20 +458,27 @@ class ServerNode:
                  mode=cfg.federation.mode, clients=cfg.federation.clients,
                  rounds=cfg.federation.rounds)
         engine = self.engine
-        self._emit(peer, outs, engine.version)
         # A deadline that passed and was ticked with nothing received since: a round past
         # its deadline still short of min_updates (the broker down, say), or a start
         # timeout with too few clients, stays the next deadline until a message comes, and
         # ticking it again changes nothing: tick it twice a second, not in a busy loop.
         ticked = None
+        why = "failed"
         try:
-            while not engine.done:
+            self._emit(peer, outs, engine.version)
+            # a signal is a flag looked at between events, so a stop never lands inside
+            # the record-then-checkpoint step of _emit
+            while not engine.done and not stop.signum:
                 deadline = engine.next_deadline()
                 if deadline is None or deadline == ticked:
                     wait = 0.5
                 else:
                     wait = max(0.0, min(0.5, deadline - time.time()))
                 msg = peer.recv(timeout=wait)
+                if stop.signum:
+                    # Ctrl-C signals the whole process group: a node's leave, sent as it
+                    # stops, must not close a round the uninterrupted run would not
+                    break
                 now = time.time()
                 version = engine.version
                 if msg is not None:
@@ -480,13 +497,18 @@ class ServerNode:
                 else:
                     outs = []
                 self._emit(peer, outs, version)
-        except KeyboardInterrupt:
-            log.warning("server interrupted")
-            return 130
+            why = stop.name or "done"
+        except KeyboardInterrupt:  # signals not caught (not the main thread)
+            why = "SIGINT"
         finally:
-            self._finish()
+            if engine.done:
+                self._finish()
+            else:
+                self._stopped(why)
             peer.close()
-        return 0
+        if engine.done:
+            return 0
+        return 128 + (signal.SIGTERM if why == "SIGTERM" else signal.SIGINT)
 
     def _describe_models(self) -> None:
         """Parameter counts and feature dims of the federation's networks."""
@@ -584,10 +606,29 @@ class ServerNode:
                 "late": e.totals["late_dropped"] + e.totals["late_folded"],
                 "acc": last.get("acc_mean"), "proto_acc": last.get("proto_acc_mean"),
                 "elapsed_s": now - self.started, "done": e.done,
+                "state": "complete" if e.done else "running",
                 # how many live clients that accuracy is over (issue 47), whom the round
                 # waits for and when it must close
                 "eval_clients": last.get("eval_clients"), "eval_live": last.get("eval_live"),
                 **e.waiting(now)}
+
+    def _stopped(self, why: str) -> None:
+        """A run stopped before its last round (a signal, a crash): no summary.json, which
+        would call it complete; status.json says it stopped and why, the records and the
+        message log are closed whole, and the last checkpoint is where --resume goes on."""
+        e = self.engine
+        self.run.write_csv()
+        status = self._status(time.time())
+        status["state"] = "interrupted" if why.startswith("SIG") else "failed"
+        status["stopped_by"] = why
+        self.run.write_status(status)
+        self._rejections.summarise(time.time(), force=True)
+        if self.msglog is not None:
+            self._log_quiet(time.time())
+            self.msglog.close()
+        self.run.close()
+        log.warning("server stopped before the run's end: resumable", stopped_by=why,
+                    version=e.version, rounds=e.rounds)
 
     def _finish(self) -> None:
         e = self.engine
@@ -619,6 +660,35 @@ class ServerNode:
         self.run.close()
         log.info("server finished", rounds=summary["rounds_completed"], wall_s=summary["wall_s"],
                  final=summary["final"])
+
+
+class StopSignals:
+    """SIGINT and SIGTERM as a flag (`signum`, `name`) the server's loop looks at between
+    events; a raised KeyboardInterrupt could land between a round's record and its
+    checkpoint. Outside the main thread the handlers cannot be set: Python's defaults stay."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self._old: dict[int, Any] = {}
+        try:
+            for sig in self.SIGNALS:
+                self._old[sig] = signal.signal(sig, self._hit)
+        except ValueError:  # not the main thread
+            self.restore()
+
+    def _hit(self, signum: int, _frame: Any) -> None:
+        self.signum = self.signum or signum
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else ""
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old = {}
 
 
 class RejectionLog:

@@ -159,7 +159,10 @@ def test_the_table_accepts_run_directories_and_groups_by_any_key(sweep):
 def test_a_second_sweep_skips_complete_runs_and_redoes_an_incomplete_one(sweep, tmp_path):
     cfg, out, _ = sweep
     again = shutil.copytree(out, tmp_path / "cmp")
-    (again / "fedproto-s1" / "summary.json").unlink()  # as if stopped before the end
+    # as if stopped before its first checkpoint: nothing to resume from (an interrupted run
+    # with a checkpoint is resumed: tests/test_interrupt.py)
+    (again / "fedproto-s1" / "summary.json").unlink()
+    (again / "fedproto-s1" / "checkpoint.fbk").unlink()
     kept = (again / "fedproto-s1" / "metrics.jsonl").read_text()
     code, stdout, stderr = call(["table", str(again)])
     assert code == 0, stderr
