@@ -39,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sync rounds (default) or async FedBuff")
     p.add_argument("--algorithm", choices=("noop", "fedproto"), default="noop",
                    help="noop (default) or fedproto (real training on digits, slower)")
+    p.add_argument("--plant", default=None, metavar="DEFECT",
+                   help="plant a defect in the production code for the run, to see it caught: "
+                   "duplicate, dedup-off, record-lost or double-fold (fedbus.bench.simplant)")
     p.add_argument("--trace", action="store_true",
                    help="print each seed's faults as they fire and its trace hash")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results here")
@@ -65,7 +68,7 @@ def parse_seeds(text: str) -> range:
 def replay_command(seed: int, args: argparse.Namespace) -> str:
     extra = "".join(f" --{k} {getattr(args, k)}" for k, d in
                     (("faults", 3), ("rounds", 6), ("clients", 4), ("nodes", 2),
-                     ("relays", 0), ("mode", "sync"), ("algorithm", "noop")) if getattr(args, k) != d)
+                     ("relays", 0), ("mode", "sync"), ("plant", None), ("algorithm", "noop")) if getattr(args, k) != d)
     return f"fedbus bench sim --seeds {seed}-{seed}{extra} --trace"
 
 
@@ -91,6 +94,12 @@ def main_args(args: argparse.Namespace) -> int:
         if getattr(args, key) < low:
             print(f"fedbus bench sim: --{key} must be at least {low}", file=sys.stderr)
             return 2
+    from fedbus.bench.simplant import PLANTS, planted
+
+    if args.plant is not None and args.plant not in PLANTS:
+        print(f"fedbus bench sim: --plant {args.plant!r} is not one of {', '.join(PLANTS)}",
+              file=sys.stderr)
+        return 2
     if not 0 <= args.relays <= args.nodes:
         print("fedbus bench sim: --relays must lie in 0..--nodes", file=sys.stderr)
         return 2
@@ -107,25 +116,26 @@ def main_args(args: argparse.Namespace) -> int:
     results, bad = [], []
     started, cpu = time.perf_counter(), time.process_time()
     try:
-        for seed in seeds:
-            if args.trace:
-                print(f"seed {seed}:")
-            res = run_seed(seed, args, say=print if args.trace else None)
-            results.append(res)
-            if args.trace:
-                for f in res.faults:
-                    if f.fired_at < 0:
-                        print(f"  (not fired: {f.kind} {f.target} after version "
-                              f"{f.at_version}: {f.note or 'the run ended first'})")
-                print(f"  trace {res.trace}  rounds {res.rounds_done}  frames {res.frames}  "
-                      f"simulated {res.sim_s:.1f} s")
-            if res.violations:
-                bad.append(res)
-                print(f"seed {seed}: {len(res.violations)} violation(s), trace "
-                      f"{res.trace[:16]}")
-                for v in res.violations[:10]:
-                    print(f"  {v}")
-                print(f"  replay: {replay_command(seed, args)}")
+        with planted(args.plant):
+            for seed in seeds:
+                if args.trace:
+                    print(f"seed {seed}:")
+                res = run_seed(seed, args, say=print if args.trace else None)
+                results.append(res)
+                if args.trace:
+                    for f in res.faults:
+                        if f.fired_at < 0:
+                            print(f"  (not fired: {f.kind} {f.target} after version "
+                                  f"{f.at_version}: {f.note or 'the run ended first'})")
+                    print(f"  trace {res.trace}  rounds {res.rounds_done}  frames {res.frames}  "
+                          f"simulated {res.sim_s:.1f} s")
+                if res.violations:
+                    bad.append(res)
+                    print(f"seed {seed}: {len(res.violations)} violation(s), trace "
+                          f"{res.trace[:16]}")
+                    for v in res.violations[:10]:
+                        print(f"  {v}")
+                    print(f"  replay: {replay_command(seed, args)}")
     finally:
         torch.set_num_threads(threads)
     wall = time.perf_counter() - started

@@ -606,12 +606,20 @@ class World:
                 self.clock.t = max(self.clock.t, t)
                 fn(*args)
                 n += 1
+            waiting = {r for r, relay in self.relays.items() if relay.alive}
             for what, parties in (("relay", self.relays), ("node", self.nodes)):
                 for node in parties.values():
                     if node.alive:
                         run = node.relay.run_id if what == "relay" else node.node.run_id
+                        site = self.node_broker.get(node.name, "broker")
+                        above = site != "broker" and f"r{site[4:]}" in waiting
+                        forgot = site != "broker" and site in self.brokers and \
+                            not self.brokers[site]._ended and f"r{site[4:]}" in self.exited
                         why = " (the server ended with the broker down: its shutdown was " \
-                            "lost)" if self.shutdown_unsent else "" if run else \
+                            "lost)" if self.shutdown_unsent else " (its relay missed the " \
+                            "shutdown)" if above else " (its site broker kept no ended run: " \
+                            "the relay registered there before it knew its run)" if forgot \
+                            else "" if run else \
                             " (not configured since its start: it registered with no run id)"
                         self.problems.append(f"{what} {node.name} never took the "
                                              f"shutdown{why}")
