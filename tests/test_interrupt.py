@@ -7,11 +7,13 @@ bare `fedbus server`. Every signal is sent on an event (a round's record in metr
 never after a fixed time; the run has rounds enough left that it cannot end first."""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
 import subprocess
 import sys
+import termios
 
 import psutil
 import pytest
@@ -152,13 +154,22 @@ def test_a_signalled_run_is_interrupted_and_resumes_to_the_same_records(tmp_path
 
 @pytest.mark.slow
 def test_ctrl_c_with_the_output_piped_to_a_reader_that_died_first(tmp_path, reference):
-    """`fedbus run ... 2>&1 | tee log`, then Ctrl-C: tee dies first. The launcher's
-    progress and its last line meet a closed pipe: no exit 141 on SIGPIPE, no traceback,
-    the run interrupted and resumable, exit 130."""
+    """`fedbus run ... 2>&1 | tee log` in a terminal, then Ctrl-C: tee dies first. The
+    launcher's progress and its last line meet a closed pipe: no exit 141 on SIGPIPE, no
+    traceback, exit 130, the run interrupted and resumable, and the `--resume` line on the
+    terminal (here a pseudo-terminal, the session's controlling one, read by the test)."""
     cfg, expected = reference
     run_dir = tmp_path / "run"
     read, write = os.pipe()
-    proc = _start(["run", str(cfg), "--out", str(run_dir)], write, subprocess.STDOUT)
+    terminal, tty = os.openpty()
+
+    def take_the_terminal() -> None:  # in the child, after setsid (start_new_session)
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    proc = subprocess.Popen([sys.executable, "-m", "fedbus.launch", "run", str(cfg), "--out",
+                             str(run_dir)], cwd=REPO, stdin=tty, stdout=write,
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=take_the_terminal)  # noqa: PLW1509 (ioctl only)
     os.close(write)
     os.close(read)  # the reader is gone before the launcher's first line
     try:
@@ -166,7 +177,16 @@ def test_ctrl_c_with_the_output_piped_to_a_reader_that_died_first(tmp_path, refe
         os.killpg(proc.pid, signal.SIGINT)
     finally:
         rc = _stop(proc)
+    os.set_blocking(terminal, False)
+    try:
+        shown = os.read(terminal, 1 << 16).decode(errors="replace")
+    except OSError:
+        shown = ""
+    finally:
+        os.close(terminal)
+        os.close(tty)
     assert rc == 130
+    assert f"continue with `fedbus run --resume {run_dir}`" in shown, shown
     _assert_interrupted(run_dir)
     _assert_resumes_to_the_reference(run_dir, expected)
 
