@@ -39,8 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat-s", type=float, default=1.0)
     p.add_argument("--liveness", type=int, default=3)
     p.add_argument("--state-dir", default=None,
-                   help="where each client's state is saved after each task, so that a "
-                   "resumed server continues with it; files are keyed by run id and client "
+                   help="where each client's state is saved after a task that changed it "
+                   "(before its update leaves), so that a resumed server continues with it; "
+                   "files are keyed by run id and client "
                    "(nodes on one machine can share the folder) and deleted when the run "
                    "completes (default: $XDG_STATE_HOME/fedbus/clients, else "
                    "~/.local/state/fedbus/clients; 'none' saves nothing, and a resume then "

@@ -153,6 +153,8 @@ class ClientNode:
         except KeyboardInterrupt:
             return 130
         finally:
+            if self.states is not None:  # what a resume had on disk, and what it was spared
+                log.info("client states", path=str(self.states.path), **self.states.stats())
             if self.msglog is not None:
                 self.msglog.close()
             peer.close()
@@ -314,8 +316,9 @@ class ClientNode:
         held back until `due` (a simulated slow device)."""
         body = msg.body
         client = client_index(msg.dst)
-        if self.states is not None:
-            self.states.save(client, msg.round, handler.state_dict())
+        if self.states is not None:  # before the update leaves (client_state: the rule)
+            self.states.save(client, msg.round, handler.state_dict(),
+                             witness=[p.grad for p in handler.ctx.model.parameters()])
         bad = non_finite(update["payload"])
         if bad:  # sent all the same: the server rejects it and ends this task at once
             log.warning("update not finite: the client's model diverged", client=client,

@@ -3,7 +3,7 @@
 A client handler's state (its model, its optimiser, what its algorithm keeps between
 rounds: FedProto's global prototypes, FedPer's head, FML's meme model, ...) lives only on
 its node. The server's checkpoint (RUN/checkpoint.fbk) cannot hold it, so the node writes
-it itself, after every task a client trains:
+it itself, after a task its client trains:
 
     STATE_DIR/<run id>/client-<id>-r<round>.pt      (torch.save, loaded with weights_only)
 
@@ -18,14 +18,39 @@ uninterrupted run had when round V began. Tasks of rounds >= V that ran before t
 ignored, as the server redoes them. In async mode the server's checkpoint does not wait
 for clients in training, so a resumed async run is close to, not equal to, the
 uninterrupted one.
+
+When a state is written (the rule a resume relies on): a task's state is on disk before
+its update leaves the node. The server counts round r done only once every update of it
+has arrived (or its deadline passed), and checkpoints after that, so a node killed at any
+moment has the state of every round a checkpoint counts done; a kill mid-write leaves the
+previous file (written atomically), and that task's update never left. Writing later, from
+a thread, would open a window: the server can receive a round's last update, close the
+round and checkpoint within milliseconds, and a kill before the writer caught up would
+restore an older state under a newer checkpoint, a different experiment. A node can tell
+its last update of a round only from the task's `node_tasks`, which behind a relay counts
+the relay's tasks, not the node's; so the write stays before the send.
+
+What is not written, as no resume can need it: a state unchanged since the client's newest
+file (Fingerprint: torch's change counters, no bytes read; the no-op clients that `fedbus
+bench rounds` runs, whose model never changes, write once per run), since a resume
+restores that file, the same state; an empty state while the client has no
+file, since restoring nothing leaves it in that same initial state; and anything in a run
+that cannot resume its clients (`fedbus run --no-client-state`, `fedbus node --state-dir
+none`: the node makes no store). `written_by_round` and `skipped` count what was done,
+logged by the node as it stops ("client states").
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+import weakref
+from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 _NAME = re.compile(r"client-(\d+)-r(\d+)\.pt$")
@@ -39,6 +64,9 @@ class ClientStateStore:
         self.keep = max(1, keep)
         self.path.mkdir(parents=True, exist_ok=True)
         self.saved: dict[int, list[int]] = {}  # client -> rounds on disk, oldest first
+        self.written_by_round: Counter[int] = Counter()  # files this store wrote, by round
+        self.skipped = 0  # states not written: a resume gets the same without (save's rule)
+        self._newest: dict[int, Fingerprint] = {}  # client -> what its newest file holds
         for f in self.path.iterdir():
             m = _NAME.fullmatch(f.name)
             if m:
@@ -49,9 +77,19 @@ class ClientStateStore:
     def _file(self, client: int, round_: int) -> Path:
         return self.path / f"client-{client}-r{round_}.pt"
 
-    def save(self, client: int, round_: int, state: Any) -> None:
+    def save(self, client: int, round_: int, state: Any, witness: Any = None) -> bool:
         """Write the client's state after its task of `round_` (atomically: a stop while
-        writing leaves the previous file), then drop all but the newest `keep`."""
+        writing leaves the previous file), then drop all but the newest `keep`; unless a
+        resume would get the same state without it: the state is unchanged since the
+        client's newest file (written by this store; Fingerprint, with `witness`), or it is
+        empty and the client has no file. Returns whether a file was written."""
+        if isinstance(state, Mapping) and not state and client not in self.saved:
+            self.skipped += 1
+            return False
+        mark = Fingerprint(state, witness)
+        if client in self.saved and mark.same(self._newest.get(client)):
+            self.skipped += 1
+            return False
         path = self._file(client, round_)
         tmp = path.with_suffix(".tmp")
         torch.save(state, tmp)
@@ -61,6 +99,12 @@ class ClientStateStore:
         for old in rounds[:-self.keep]:
             self._file(client, old).unlink(missing_ok=True)
         self.saved[client] = rounds[-self.keep:]
+        if rounds[-1] == round_:
+            self._newest[client] = mark
+        else:  # an older round written late: the newest file is not this state
+            self._newest.pop(client, None)
+        self.written_by_round[round_] += 1
+        return True
 
     def newest_before(self, client: int, cutoff: int) -> int | None:
         """The round of the client's newest saved state before round `cutoff`, or None."""
@@ -81,6 +125,7 @@ class ClientStateStore:
         """Delete these clients' states (the run completed: nothing to resume), and the
         run's folder once it is empty."""
         for client in clients:
+            self._newest.pop(client, None)
             for round_ in self.saved.pop(client, []):
                 self._file(client, round_).unlink(missing_ok=True)
         try:
@@ -88,6 +133,71 @@ class ClientStateStore:
         except OSError:  # other nodes' clients still there
             pass
 
+    def stats(self) -> dict[str, Any]:
+        """What this store wrote: files by round (as "round": count), and the states it did
+        not write (save's rule)."""
+        return {"written": sum(self.written_by_round.values()), "skipped": self.skipped,
+                "by_round": {str(r): n for r, n in sorted(self.written_by_round.items())}}
+
     def clients(self) -> set[int]:
         """The clients with a saved state."""
         return set(self.saved)
+
+
+class Fingerprint:
+    """What tells a client's state that changed since its newest file from one that did
+    not, without reading the state's bytes: each tensor by its storage (held by a weak
+    reference, so the same live storage, never a freed one whose address came back), its
+    offset, shape, stride, dtype and torch's version counter, which every in-place change
+    torch makes bumps (an optimizer step, load_state_dict, a copy_ under no_grad); every
+    other value (numpy arrays, numbers, the structure) by a digest of its contents.
+    `witness` adds tensors that change when a task trains without being part of the state
+    (the model's gradients). Not seen: a change written behind torch's counter (through
+    `.data` or a numpy view of a tensor) in a task that leaves every gradient as it was."""
+
+    __slots__ = ("tensors", "values")
+
+    def __init__(self, state: Any, witness: Any = None):
+        tensors: list[torch.Tensor] = []
+        h = hashlib.sha1(usedforsecurity=False)
+        _feed(h, (state, witness), tensors)
+        self.values = h.digest()
+        self.tensors = [_tensor_mark(t) for t in tensors]
+
+    def same(self, other: Fingerprint | None) -> bool:
+        return other is not None and self.values == other.values and \
+            len(self.tensors) == len(other.tensors) and \
+            all(a is not None and b is not None and a[0]() is b[0]() and a[1:] == b[1:]
+                for a, b in zip(self.tensors, other.tensors))
+
+
+def _tensor_mark(t: torch.Tensor) -> tuple | None:
+    try:
+        storage = t.untyped_storage()
+        return (weakref.ref(storage), t.storage_offset(), tuple(t.shape), t.stride(),
+                t.dtype, t.device, t._version)
+    except (RuntimeError, NotImplementedError, TypeError):  # sparse, meta: always changed
+        return None
+
+
+def _feed(h, value: Any, tensors: list) -> None:
+    if isinstance(value, torch.Tensor):
+        h.update(b"T")
+        tensors.append(value)
+    elif isinstance(value, np.ndarray) and value.dtype != object:
+        h.update(f"A{value.dtype}{value.shape}".encode())
+        h.update(np.ascontiguousarray(value).reshape(-1).view(np.uint8))
+    elif isinstance(value, Mapping):
+        h.update(b"{%d" % len(value))
+        for k, v in value.items():
+            _feed(h, k, tensors)
+            _feed(h, v, tensors)
+    elif isinstance(value, (list, tuple)):
+        h.update(b"[%d" % len(value) if isinstance(value, list) else b"(%d" % len(value))
+        for v in value:
+            _feed(h, v, tensors)
+    elif value is None or isinstance(value, (bool, int, float, complex, str, bytes,
+                                             np.generic, torch.dtype, torch.device)):
+        h.update(repr((type(value).__name__, value)).encode())
+    else:  # a repr may not show all of an object: count it as changed, and write
+        h.update(os.urandom(16))
