@@ -154,7 +154,9 @@ def client_main(args: argparse.Namespace) -> int:
     outcome = logged_outcome(args.run, args.client, args.round)
     if res.no_update is not None:
         return _no_update(res, outcome)
-    said = f", {outcome}" if outcome not in (None, "answered") else ""
+    # an update was logged for this task, so the client was sampled: an async record is
+    # keyed by the version it made, not the task's round, and may not list the client
+    said = f", {outcome}" if outcome not in (None, "answered", "not sampled") else ""
     head = f"client {res.client} round {res.round} (task {res.task}{said})"
     if res.masked:
         print(f"{head}: update not compared: under secure aggregation (privacy."
