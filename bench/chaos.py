@@ -631,8 +631,8 @@ def read_history(run: Path) -> tuple[list[dict], list[Violation]]:
 
     from fedbus.analysis.replay import _compare, _decode, load_run, take_refused
     from fedbus.broker.wire import DEFAULT_MAX_FRAME, decode_body
-    from fedbus.node.engine import client_index, count_params
-    from fedbus.node.server import build_engine, config_sender, judge, take
+    from fedbus.node.engine import count_params
+    from fedbus.node.server import build_engine, judge, take
     from fedbus.record.msglog import read_log
 
     torch.set_num_threads(1)
@@ -687,26 +687,7 @@ def read_history(run: Path) -> tuple[list[dict], list[Violation]]:
                                           f"{msg.src} that a replay refuses", [msg.round],
                                           [rec.index]))
                 return history, problems
-            body = msg.body
-            if msg.kind == "update":
-                task = engine.tasks[body["task"]]
-                client = client_index(msg.src)
-                history.append({"op": "accept", "i": rec.index, "client": client,
-                                "round": task.round, "version": task.version,
-                                "task": task.id, "inc": msg.inc,
-                                "node": engine.host.get(client), "src": msg.src})
-            elif msg.kind == "merged":
-                for address, tid, _n, _w in body["members"]:
-                    task = engine.tasks[tid]
-                    history.append({"op": "accept", "i": rec.index,
-                                    "client": client_index(address), "round": task.round,
-                                    "version": task.version, "task": tid, "inc": msg.inc,
-                                    "node": msg.src, "src": msg.src})
-            elif msg.kind == "config":
-                node = config_sender(engine, msg.src)
-                if node is not None:
-                    history.append({"op": "register", "i": rec.index, "node": node,
-                                    "inc": msg.inc})
+            history += taken_entries(engine, msg, rec.index)
             pending = take(engine, msg, rec.time)
         elif rec.direction == "refused":
             pending = take_refused(engine, rec)
@@ -734,6 +715,46 @@ def read_history(run: Path) -> tuple[list[dict], list[Violation]]:
 
 
 # ------------------------------------------------------------------ the invariants
+
+
+def taken_entries(engine: Any, msg: Any, index: int) -> list[dict]:
+    """The history entries of a message the server takes (judged acceptable): each update
+    or relay member accepted, or a node's registration (its config acknowledgement).
+    Read off the engine before `take`, which forgets a task once it is answered."""
+    from fedbus.node.engine import client_index
+    from fedbus.node.server import config_sender
+
+    if msg.kind == "update":
+        task = engine.tasks[msg.body["task"]]
+        client = client_index(msg.src)
+        return [{"op": "accept", "i": index, "client": client, "round": task.round,
+                 "version": task.version, "task": task.id, "inc": msg.inc,
+                 "node": engine.host.get(client), "src": msg.src}]
+    if msg.kind == "merged":  # a relay's: each member taken
+        out = []
+        for address, tid, _n, _w in msg.body["members"]:
+            task = engine.tasks[tid]
+            out.append({"op": "accept", "i": index, "client": client_index(address),
+                        "round": task.round, "version": task.version, "task": tid,
+                        "inc": msg.inc, "node": msg.src, "src": msg.src})
+        return out
+    if msg.kind == "config":
+        node = config_sender(engine, msg.src)
+        if node is not None:
+            return [{"op": "register", "i": index, "node": node, "inc": msg.inc}]
+    return []
+
+
+def final_checkpoint(run: Path) -> tuple[str | None, int | None, list[Violation]]:
+    """(digest, version) of the run's last checkpoint, or a replay violation saying why
+    there is none."""
+    from fedbus.node.server import CheckpointError, read_checkpoint
+
+    try:
+        state = read_checkpoint(run / "checkpoint.fbk")[1]
+    except CheckpointError as err:
+        return None, None, [Violation("replay", f"no final checkpoint: {err}")]
+    return state_digest(state), int(state["version"]), []
 
 
 def check_once(history: list[dict]) -> list[Violation]:
@@ -885,7 +906,6 @@ def check_completion(server_rc: int | None, summary: dict | None, rounds: int,
 def check_run(run: Path, kills: list[dict], rounds: int,
               mode: str = "sync") -> tuple[list[Violation], dict]:
     """Every invariant that reads the run's files; returns (violations, facts)."""
-    from fedbus.node.server import CheckpointError, read_checkpoint
     from fedbus.record.msglog import LogCorrupt
 
     violations: list[Violation] = []
@@ -895,12 +915,8 @@ def check_run(run: Path, kills: list[dict], rounds: int,
         return [Violation("replay", f"the message log cannot be replayed: "
                           f"{type(err).__name__}: {err}")], {}
     violations += problems
-    final_digest = final_version = None
-    try:
-        state = read_checkpoint(run / "checkpoint.fbk")[1]
-        final_digest, final_version = state_digest(state), int(state["version"])
-    except CheckpointError as err:
-        violations.append(Violation("replay", f"no final checkpoint: {err}"))
+    final_digest, final_version, missing = final_checkpoint(run)
+    violations += missing
     violations += check_once(history)
     violations += check_incarnations(history)
     if not problems:

@@ -68,26 +68,18 @@ def check_counted(records: list[dict[str, Any]]) -> list:
 def check_world(world: Any) -> list:
     """Every invariant on a finished World; sets world.rounds_done."""
     from fedbus.bench.chaos import (
-        Violation,
         check_completion,
         check_incarnations,
         check_once,
         check_resumes,
         check_window,
+        final_checkpoint,
         read_metrics,
-        state_digest,
     )
-    from fedbus.node.server import CheckpointError, read_checkpoint
 
     run = world.run_dir
     records = read_metrics(run)
-    out: list = []
-    final_digest = final_version = None
-    try:
-        state = read_checkpoint(run / "checkpoint.fbk")[1]
-        final_digest, final_version = state_digest(state), int(state["version"])
-    except CheckpointError as err:
-        out.append(Violation("replay", f"no final checkpoint: {err}"))
+    final_digest, final_version, out = final_checkpoint(run)
     out += check_once(world.history)
     out += check_incarnations(world.history)
     out += check_resumes([e for e in world.history if e.get("digest") != ""], final_digest,

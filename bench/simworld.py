@@ -734,34 +734,15 @@ class SimServer:
             self._step(lambda m=msg: self._take(m))
 
     def _take(self, msg: Any) -> list:
-        from fedbus.node.engine import client_index
-        from fedbus.node.server import config_sender, judge, take
+        from fedbus.bench.chaos import taken_entries
+        from fedbus.node.server import judge, take
 
         e, world = self.srv.engine, self.world
         now = world.clock.time()
         refusal = judge(e, msg)
         if refusal is not None:
             return e.on_refused(refusal, now)
-        body = msg.body
-        if msg.kind == "update":
-            task = e.tasks[body["task"]]
-            client = client_index(msg.src)
-            world.history.append({"op": "accept", "i": len(world.history), "client": client,
-                                  "round": task.round, "version": task.version,
-                                  "task": task.id, "inc": msg.inc,
-                                  "node": e.host.get(client), "src": msg.src})
-        elif msg.kind == "merged":  # a relay's: each member taken (read_history's rule)
-            for address, tid, _n, _w in body["members"]:
-                task = e.tasks[tid]
-                world.history.append({"op": "accept", "i": len(world.history),
-                                      "client": client_index(address), "round": task.round,
-                                      "version": task.version, "task": tid, "inc": msg.inc,
-                                      "node": msg.src, "src": msg.src})
-        elif msg.kind == "config":
-            node = config_sender(e, msg.src)
-            if node is not None:
-                world.history.append({"op": "register", "i": len(world.history),
-                                      "node": node, "inc": msg.inc})
+        world.history += taken_entries(e, msg, len(world.history))
         return take(e, msg, now)
 
     def _tick(self, at: float) -> None:
