@@ -443,10 +443,11 @@ STATUSES = (
     (5, "dropped its task", "#d6301f"),
     (6, "dead (lost with its node)", "#3a3a3a"),
     (7, "refused / error", "#8c6bb1"),
+    (8, "timed out (async: its task expired)", "#fdd49e"),
 )
 # a record's failure codes (fedbus.node.engine.FAILURES); a failed secure aggregation's
 # inputs ("secagg") count with the refused
-FAILURE_CODE = {"late": 4, "dropped": 5, "dead": 6, "rejected": 7, "error": 7, "secagg": 7}
+FAILURE_CODE = {"late": 4, "timed_out": 8, "dropped": 5, "dead": 6, "rejected": 7, "error": 7, "secagg": 7}
 
 
 def participation_matrix(records: list[dict[str, Any]], clients: int | None

@@ -565,7 +565,7 @@ def round_outcomes(run: Path, round_: int | None, client: int | None,
 
 
 # a record's failure codes (fedbus.node.engine.FAILURES) as the outcome lines say them
-FAILURE_WORDS = {"rejected": "refused", "dead": "dead"}
+FAILURE_WORDS = {"rejected": "refused", "dead": "dead", "timed_out": "timed out"}
 
 
 def outcome_text(o: Mapping[str, Any]) -> str:

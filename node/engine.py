@@ -47,6 +47,8 @@ MASK_IMAGES = 2
 # record's `stale`, or discarded, per federation.late.)
 FAILURES = {
     "late": "sent no update by the round's deadline (it may still come, late)",
+    "timed_out": "sent no update by its task's deadline (async: the task expired; an answer "
+                 "after it is refused as unknown)",
     "dropped": "dropped its task (system.drop_prob, drop_clients): it never answers",
     "dead": "lost with its node (left, or purged by the broker)",
     "rejected": "its update was refused (the validator's reason in `refusals`)",
@@ -307,6 +309,13 @@ class Engine:
         # knows), unless the shell sets the run's secret one (privacy.dp_noise = "secret":
         # fedbus.node.privacy.budget.run_noise_seed)
         self.noise_seed = int(self.fed.seed)
+        # Client-level DP's cohorts: each live client independently with probability
+        # federation.fraction (Poisson, what the accountant assumes), drawn from noise_seed
+        # (the server's secret under dp_noise = "secret", so no client can tell who took
+        # part); made at the first draw, after the shell has set noise_seed, and kept in
+        # checkpoints so a resumed run continues the same stream.
+        self.poisson = cfg.privacy.dp == "client"
+        self.cohort_rng: np.random.Generator | None = None
         self.records: list[dict[str, Any]] = []  # metrics, drained by the shell
         # Labelled units per training sample (1; H * W pixels for segmentation masks): the
         # shell's bound on an update's per-class counts (fedbus.node.validate).
@@ -576,8 +585,9 @@ class Engine:
         if self.async_mode:
             while (first := self._earliest_task_deadline()) is not None and now >= first:
                 task = self._drop_task(heapq.heappop(self.deadlines)[1])
+                # the task is gone: an answer after this is refused, so not "late"
                 self.window.failures.setdefault(task.client,
-                                                "dropped" if task.drops else "late")
+                                                "dropped" if task.drops else "timed_out")
             out += self._async_fill(now)
         elif self.round is not None:
             r = self.round
@@ -663,6 +673,12 @@ class Engine:
         return bound
 
     def _sample(self, candidates: list[int], k: int) -> list[int]:
+        if self.poisson:
+            if self.cohort_rng is None:
+                self.cohort_rng = np.random.default_rng(
+                    np.random.SeedSequence([self.noise_seed, 0xC0407]))
+            coins = self.cohort_rng.random(len(candidates))
+            return [int(c) for c, u in zip(candidates, coins) if u < self.fed.fraction]
         k = min(k, len(candidates))
         if k == len(candidates):
             return list(candidates)
@@ -683,17 +699,21 @@ class Engine:
         if self.ledger is not None:
             candidates = self._within_budget(live)
             if len(candidates) < self.fed.min_clients or \
-                    not self.ledger.run_has_budget(min(k, len(candidates)), len(live)):
+                    not self.ledger.run_has_budget(self.fed.fraction):
                 return self._budget_spent(now)
         sampled = self._sample(candidates, k)
         if self.ledger is not None:  # charged as the tasks go out (a dropout pays too)
             if self.ledger.per_client:  # record, sgd
                 self.ledger.charge_clients(sampled)
             else:
-                self.ledger.charge_round(len(sampled), len(live))
+                self.ledger.charge_round(self.fed.fraction)
         deadline = now + self.fed.deadline_s if self.fed.deadline_s > 0 else 0.0
         hard = now + max(self.fed.hard_deadline_s, self.fed.deadline_s)
         self.round = RoundState(self.version, now, sampled, deadline, hard)
+        if not sampled:  # a Poisson cohort of no one: the round is its noise alone
+            self.events.append({"event": "round_start", "round": self.version,
+                                "sampled": 0, "live": len(live)})
+            return self._close_round(now)
         if self.secure:
             self.round.secure = self._secure_round(sampled, now)
         # A relay merges one round's updates once all its tasks are answered, so each task
@@ -914,7 +934,8 @@ class Engine:
         metrics = self.handler.aggregate(updates, failures, info) or {}
         # Scalars go to "agg"; a dict or list value (e.g. one number per client) to "agg_extra".
         extra = {k: v for k, v in metrics.items() if isinstance(v, (dict, list))}
-        updates = members_of(updates)  # a relay's merged update: its clients
+        # a relay's merged update: its clients; client -1: client-level DP's noise step
+        updates = [u for u in members_of(updates) if u.client >= 0]
         self.version += 1
         reasons = [f.reason for f in failures]
         works = [u.work.fraction for u in updates]
@@ -979,13 +1000,20 @@ class Engine:
 
     def _dp_noised(self, form: dict[str, Any]) -> dict[str, Any]:
         """Client-level DP: N(0, (z C)^2) on the round's sum of clipped deltas, drawn from
-        noise_seed and the version (a replay that has the seed draws the same)."""
+        noise_seed and the version (a replay that has the seed draws the same), over the
+        fixed denominator q x federation.clients, the expected cohort size (McMahan et al.
+        2018's fixed-denominator estimator): the handler steps by sum / mass, and a count
+        of the cohort in the denominator would release how many took part, unnoised."""
         from fedbus.node.privacy.dp import gaussian_like
 
-        seed = int(np.random.SeedSequence([self.noise_seed, 0xD9, self.version])
-                   .generate_state(1)[0])
+        # 256 bits of the secret per round: one 32-bit word could be searched by a client
+        words = np.random.SeedSequence([self.noise_seed, 0xD9, self.version]) \
+            .generate_state(4, np.uint64)
+        seed = int.from_bytes(words.tobytes(), "little")
         noise = gaussian_like(form["delta_sum"], self.ledger.noise_std(), seed)
-        return {**form, "delta_sum": _tree_add(form["delta_sum"], noise)}
+        expected = float(self.fed.fraction) * float(self.fed.clients)
+        return {**form, "delta_sum": _tree_add(form["delta_sum"], noise),
+                "mass": np.full_like(np.asarray(form["mass"], np.float64), expected)}
 
     def _dp_sum(self, updates: list[ClientUpdate]) -> list[ClientUpdate]:
         """Client-level DP without secure aggregation: the round's clipped deltas summed
@@ -994,8 +1022,8 @@ class Engine:
         from fedbus.algorithms.core.merge import weighted_sum
         from fedbus.algorithms.core.params import resolved_params
 
-        if not updates:
-            return []
+        if not updates:  # no one sampled or answering: the noise alone, as one step
+            return self._dp_noise_step()
         rule = self.handler.merge_rule()
         params = resolved_params(type(self.handler), self.cfg.algorithm)
         ones = [ClientUpdate(client=u.client, payload=u.payload, num_samples=1, work=u.work,
@@ -1004,10 +1032,23 @@ class Engine:
         total, _ = weighted_sum(ones, rule, params)
         members = tuple(sorted(members_of(updates), key=lambda u: u.client))
         if total is None:
-            return []
+            return self._dp_noise_step()
         return [ClientUpdate(client=members[0].client, payload=self._dp_noised(total),
                              num_samples=sum(u.num_samples for u in members),
                              work=members[0].work, version=self.version, members=members)]
+
+    def _dp_noise_step(self) -> list[ClientUpdate]:
+        """A client-level round with no update: the analysed mechanism still releases
+        noise / (q x clients), or an empty round would show that no one took part. Handed
+        to the handler as the delta of client -1, which no record lists."""
+        spec = self.handler.update_spec()["delta"]
+        zeros = {"delta_sum": {k: np.zeros(shape, np.float64) for k, (_, shape) in spec.items()},
+                 "mass": np.zeros(1)}
+        form = self._dp_noised(zeros)
+        mass = float(form["mass"][0])
+        delta = {k: (v / mass).astype(np.float32) for k, v in form["delta_sum"].items()}
+        return [ClientUpdate(client=-1, payload={"delta": delta}, num_samples=1,
+                             work=Work(1, 1.0, 0, 0), version=self.version)]
 
     # --- secure aggregation (fedbus.node.privacy.secure_round; PROTOCOL.md §12) ---
 
@@ -1405,6 +1446,8 @@ class Engine:
                  "totals": dict(self.totals), "handler": self.handler.state_dict()}
         if self.ledger is not None:
             state["dp"] = self.ledger.state_dict()
+        if self.cohort_rng is not None:
+            state["cohort_rng"] = json.dumps(self.cohort_rng.bit_generator.state)
         if self.stopped:  # ended before its rounds: a resume must see that it ended
             state["stopped"] = {"reason": self.stopped, "rounds": self.rounds}
         return state
@@ -1418,6 +1461,9 @@ class Engine:
         self.handler.load_state_dict(state["handler"])
         if self.ledger is not None and "dp" in state:
             self.ledger.load_state_dict(state["dp"])
+        if "cohort_rng" in state:
+            self.cohort_rng = np.random.default_rng()
+            self.cohort_rng.bit_generator.state = json.loads(state["cohort_rng"])
         stopped = state.get("stopped")
         if isinstance(stopped, dict):
             self.stopped = str(stopped.get("reason", ""))

@@ -677,7 +677,7 @@ def test_next_deadline_without_a_round_deadline_is_the_hard_deadline():
     assert engine.round.round == 1 and engine.next_deadline() == 34.0
 
 
-def test_next_deadline_in_async_is_the_earliest_task_deadline_which_fails_it_as_late():
+def test_next_deadline_in_async_is_the_earliest_task_deadline_which_times_it_out():
     engine, tasks = started(3, mode="async", concurrency=2, buffer=2, deadline_s=5.0,
                             rounds=5, eval_every=100)
     assert engine.next_deadline() == 5.0
@@ -687,9 +687,10 @@ def test_next_deadline_in_async_is_the_earliest_task_deadline_which_fails_it_as_
     late = client(tasks[1])
     outs = engine.on_tick(5.0)
     assert tasks[1].body["task"] not in engine.tasks
-    assert engine.window.failures == {late: "late"}
+    assert engine.window.failures == {late: "timed_out"}
     assert [(client(o), o.body["version"]) for o in outs] == [(late, 0)]  # its slot refilled
     assert engine.next_deadline() == 7.0
     answer(engine, refill, 6.0)
     rec = engine.records[-1]
-    assert engine.version == 1 and rec["failures"] == {str(late): "late"} and rec["late"] == 1
+    assert engine.version == 1 and rec["failures"] == {str(late): "timed_out"}
+    assert rec["late"] == 0 and rec["failed"] == 1

@@ -115,6 +115,31 @@ def test_a_dropped_task_frees_its_client_and_every_live_free_client_is_evaluated
     accounted(rec)
 
 
+def test_an_async_task_that_expires_is_timed_out_not_late_and_its_answer_is_refused():
+    """Async mode: a task whose deadline passes is forgotten (its client gets a fresh task),
+    so its answer can no longer count: the failure is "timed_out", not "late" (a late sync
+    update may still be folded), and the outcome line says so."""
+    from fedbus.launch.log_cmd import outcome_text
+    engine = make(3, mode="async", concurrency=3, buffer=2, deadline_s=5.0, rounds=3,
+                  eval_every=100)
+    tasks = by_client(connect(engine, "a", range(3)))
+    assert sorted(tasks) == [0, 1, 2]
+    refilled = by_client(engine.on_tick(5.0))  # every task expired: each client asked again
+    assert sorted(refilled) == [0, 1, 2]
+    send(engine, [update(refilled[0]), update(refilled[1])], 6.0)
+    rec = engine.records[-1]
+    assert rec["failures"] == {"0": "timed_out", "1": "timed_out", "2": "timed_out"}, rec
+    assert rec["late"] == 0 and rec["failed"] == 3
+    rejected = engine.totals["rejected"]
+    answer = send(engine, [update(tasks[2])], 7.0)  # the expired task's answer, after all
+    assert engine.totals["rejected"] == rejected + 1  # refused, not folded or buffered
+    assert [o.body["code"] for o in of(answer, "error")] == ["rejected"]
+    assert len(engine.buffer) == 0 and engine.records[-1] is rec
+    line = outcome_text({"round": rec["round"], "sampled": rec["sampled"], "answered": [],
+                         "failures": {c: "timed out" for c in rec["failures"]}})
+    assert "timed out: 0,1,2" in line and "late" not in line
+
+
 def test_a_result_that_never_comes_is_named_timed_out_and_a_refused_one_refused():
     engine = make(4, deadline_s=5.0)
     tasks = by_client(connect(engine, "a", range(4)))
@@ -139,15 +164,15 @@ def test_a_refused_update_is_named_refused_with_the_validators_reason():
     assert "num_samples" in rec["refusals"]["2"], rec["refusals"]
 
 
-def test_async_a_dropped_task_past_its_deadline_is_dropped_and_a_slow_one_late():
+def test_async_a_dropped_task_past_its_deadline_is_dropped_and_a_slow_one_timed_out():
     engine = make(3, system={"drop_clients": [1]}, mode="async", concurrency=3, buffer=1,
                   deadline_s=5.0, eval_every=100, rounds=3)
     tasks = by_client(connect(engine, "a", range(3)))
     tasks[0] = by_client(send(engine, [update(tasks[0])], 1.0))[0]  # version 1; 0 goes on
     refill = by_client(engine.on_tick(5.0))  # 1 (dropped) and 2 (slow) expire: refilled
-    assert engine.window.failures == {1: "dropped", 2: "late"} and sorted(refill) == [1, 2]
+    assert engine.window.failures == {1: "dropped", 2: "timed_out"} and sorted(refill) == [1, 2]
     send(engine, [update(tasks[0])], 6.0)
-    assert engine.records[-1]["failures"] == {"1": "dropped", "2": "late"}
+    assert engine.records[-1]["failures"] == {"1": "dropped", "2": "timed_out"}
     # async evaluates every live client, busy or not: here the final evaluation
     evals = by_client(send(engine, [update(refill[2])], 7.0), "eval")
     assert engine.version == 3 and sorted(evals) == [0, 1, 2]

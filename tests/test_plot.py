@@ -47,6 +47,8 @@ def fake_run(path: Path, *, algorithm: str = "fedproto", clients: int = 8, round
         failures = {}
         if r > 0:
             failures[str(sampled[0])] = reasons[(r - 1) % len(reasons)]
+        if r == 1:  # an async task that expired, beside the late one
+            failures[str(sampled[-1])] = "timed_out"
         fresh = [c for c in sampled if str(c) not in failures]
         partial = fresh[:1] if r % 2 else []
         stale = [[c, r - 1, 1, 0.5] for c in late_prev if c not in fresh]
@@ -232,7 +234,7 @@ def test_a_damaged_embeddings_file_is_skipped_not_fatal(real_run, tmp_path, caps
 
 def test_every_participation_status_is_drawn(tmp_path):
     from fedbus.analysis.plots import STATUSES, load_run, participation_matrix
-    run = fake_run(tmp_path / "statuses")  # late, dropped, dead, rejected, partial, folded
+    run = fake_run(tmp_path / "statuses")  # late, timed out, dropped, dead, rejected, ...
     grid, _ = participation_matrix(load_run(run).records, clients=8)
     assert set(np.unique(grid).tolist()) == {code for code, _, _ in STATUSES}
     assert fedbus(["plot", str(run), "--no-tsne"]) == 0
