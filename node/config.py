@@ -180,6 +180,12 @@ SCHEMA: dict[str, dict[str, Opt]] = {
                   "weight-sharing algorithms) or sgd (DP-SGD with Opacus in local training: "
                   "each sample's gradient clipped, each step noised; weight-sharing "
                   "algorithms); fedbus.node.privacy.dp", ("off", "record", "client", "sgd")),
+        "dp_extractor": Opt("plain", "dp = record: how the feature extractor the prototypes "
+                            "are computed with is trained on the client's data: plain (without "
+                            "DP: admitted only with train.epochs = 0, an extractor never trained "
+                            "on the client's data) or sgd (DP-SGD with Opacus, same dp_clip and "
+                            "dp_noise_multiplier, its steps composed with the prototype "
+                            "releases); fedbus.node.privacy.dp", ("plain", "sgd")),
         "dp_clip": Opt(1.0, "dp: the L2 clip C of a sample's feature (record), of a "
                        "client's update (client) or of a sample's gradient (sgd)", min=1e-9),
         "dp_noise_multiplier": Opt(1.0, "dp: Gaussian noise std over the clip (z; the noise "
@@ -235,7 +241,9 @@ SCHEMA: dict[str, dict[str, Opt]] = {
         "level": Opt("info", "log level", ("debug", "info", "warning", "error")),
         "messages": Opt(True, "server writes the message log (needed by `fedbus replay`)"),
         "client_messages": Opt(False, "client nodes write their own message logs"),
-        "embeddings": Opt(200, "test embeddings per client saved at the end for plots", min=0),
+        "embeddings": Opt(200, "test embeddings per client saved at the end for plots "
+                          "(plaintext, uncovered by secure aggregation and DP: 0 when "
+                          "privacy.secure_aggregation is on and this key is not set)", min=0),
         "embedding_clients": Opt(50, "clients asked for those embeddings, evenly spaced over "
                                  "the evaluated ones (0 = every client)", min=0),
         "tensorboard": Opt(False, "server writes RUN/tensorboard/: scalars and participation "
@@ -310,6 +318,8 @@ def _check(section: str, key: str, opt: Opt, value: Any) -> Any:
                           f"(default {opt.default!r})")
     if isinstance(opt.default, float):
         value = float(value)
+        if not math.isfinite(value):  # nan passes every comparison below; inf every max
+            raise ConfigError(f"{name} = {value!r}: must be a finite number")
     if opt.choices is not None and value not in opt.choices:
         allowed = ", ".join(map(str, opt.choices))
         raise ConfigError(f"{name} = {value!r}: allowed values are {allowed}")
@@ -380,6 +390,9 @@ def build_config(raw: Mapping[str, Any], overrides: Sequence[str] = ()) -> Confi
                               f"; [{section}] keys are {', '.join(sorted(opts))}{hint}")
         out[section] = {key: _check(section, key, opt, table[key]) if key in table
                         else copy.deepcopy(opt.default) for key, opt in opts.items()}
+    if out["privacy"]["secure_aggregation"] and "embeddings" not in merged.get("log", {}):
+        # plaintext test-set embeddings would leave beside the masked updates: only if asked
+        out["log"]["embeddings"] = 0
     _check_consistency(out)
     return Config(out)
 
@@ -428,7 +441,32 @@ def _check_consistency(cfg: dict[str, dict[str, Any]]) -> None:
                           f"federation.clients = {fed['clients']}")
     if fed["buffer"] > max(fed["concurrency"] or fed["clients"], 1):
         raise ConfigError("federation.buffer must not exceed federation.concurrency")
+    _check_dp_claims(cfg)
     _check_backbone_sources(cfg)
+
+
+def _check_dp_claims(cfg: dict[str, dict[str, Any]]) -> None:
+    """DP settings whose epsilon would have no basis (fedbus.node.privacy.dp, module doc)."""
+    privacy, fed, train = cfg["privacy"], cfg["federation"], cfg["train"]
+    if privacy["dp"] == "record" and privacy["dp_extractor"] == "plain" and train["epochs"] > 0:
+        raise ConfigError(
+            "privacy.dp = record: the prototypes' feature extractor is trained without DP on "
+            "the same data (one sample can move every feature); set privacy.dp_extractor = "
+            "sgd (DP-SGD, composed) or train.epochs = 0 (an extractor never trained on the "
+            "client's data, e.g. model.arch = frozen:...)")
+    if privacy["dp"] == "record" and privacy["dp_extractor"] == "sgd":
+        from fedbus.node.privacy.dp import sgd_refusal  # torch, opacus: only when asked for
+
+        why = sgd_refusal(str(cfg["algorithm"]["name"]), "privacy.dp_extractor = sgd")
+        if why is not None:
+            raise ConfigError(why)
+    if privacy["dp"] == "client" and fed["sampling"] != "uniform":
+        raise ConfigError(
+            f"federation.sampling = {fed['sampling']} with privacy.dp = client: the accountant "
+            "assumes every client is sampled with the same probability; set sampling = uniform")
+    if privacy["dp"] == "client" and fed["fraction"] <= 0:
+        raise ConfigError("federation.fraction = 0 with privacy.dp = client: each client is "
+                          "sampled with probability fraction, which must be > 0")
 
 
 def _check_backbone_sources(cfg: dict[str, dict[str, Any]]) -> None:

@@ -330,7 +330,8 @@ def cohort_unsupported(handler: Any) -> str | None:
             return (f"{c.__name__} changes {', '.join(changed)} below {owner.__name__}, "
                     f"which declared the functional loss")
     ctx = handler.ctx
-    if (ctx.extra.get("privacy") or {}).get("dp") == "sgd":
+    privacy = ctx.extra.get("privacy") or {}
+    if privacy.get("dp") == "sgd" or privacy.get("dp_extractor") == "sgd":
         return "privacy.dp = sgd trains with per-sample clipping (Opacus)"
     if ctx.train_y.dim() != 1:
         return "dense labels (segmentation)"

@@ -83,9 +83,11 @@ class LocalClient(Params, ClientHandler):
         and does not count (a handler whose loss has no term yet: FedPCL's first round)."""
         if self._cohort_run is not None:  # trained in a cohort (fedbus.algorithms.core.cohort)
             return self._cohort_run(self, run)
-        # privacy.dp = "sgd": DP-SGD steps (Opacus) over Poisson batches
-        # (fedbus.algorithms.core.dp_sgd)
-        if (self.ctx.extra.get("privacy") or {}).get("dp") == "sgd":
+        # privacy.dp = "sgd", or "record" over a DP-SGD extractor: DP-SGD steps (Opacus)
+        # over Poisson batches (fedbus.algorithms.core.dp_sgd)
+        privacy = self.ctx.extra.get("privacy") or {}
+        if privacy.get("dp") == "sgd" or (privacy.get("dp") == "record"
+                                          and privacy.get("dp_extractor") == "sgd"):
             from fedbus.algorithms.core.dp_sgd import run_dp_sgd
 
             self.last_loss = run_dp_sgd(self, run)

@@ -16,18 +16,23 @@ reloads it):
   delta is clipped on the client; the server sums them with weight 1 each and adds
   N(0, (z C)^2) to the sum (central noise: it protects the clients from whoever sees the
   global models, not from the server, which sees the clipped deltas or, under secure
-  aggregation, their exact sum). Each round composes one Gaussian mechanism subsampled
-  with q = sampled / live clients (the accountant's Poisson subsampling: fedbus draws a
-  fixed-size cohort uniformly without replacement, the usual approximation of DP-FedAvg's
-  analysis). `target_epsilon`: the run stops before a round that would pass it.
+  aggregation, their exact sum). Each round composes one Poisson-subsampled Gaussian
+  mechanism, PoissonSampled(q, Gaussian(z)) with q = federation.fraction, which is how the
+  engine draws the cohort under dp = client: each live client independently with
+  probability q, from the server's secret seed (RUN/noise_seed, as its noise), so no client
+  can tell who took part (fedbus.node.engine.Engine._sample). `target_epsilon`: the run
+  stops before a round that would pass it.
 * sgd (weight-sharing algorithms, DP-SGD in local training,
   fedbus.algorithms.core.dp_sgd): each task a client is sent is epochs x ceil(n /
   batch_size) DP-SGD steps, each a Gaussian mechanism of multiplier z Poisson-subsampled
   with q = min(batch_size, n) / n (fedbus.algorithms.core.dp_sgd.task_sampling; n the
   client's training-set size, which the server knows from its partition, `sizes`).
   Charged per client like record level, in full when the task is sent (a client that
-  does part of its epochs, or drops out, pays all of them), and composed over its tasks; the run's epsilon is the largest client's and
-  `target_epsilon` stops sampling a client as at record level.
+  does part of its epochs, or drops out, pays all of them), and composed over its tasks; the
+  run's epsilon is the largest client's and `target_epsilon` stops sampling a client as at
+  record level.
+* record over a DP-SGD extractor (privacy.dp_extractor = "sgd"): each task charges a client
+  both its DP-SGD steps (as sgd) and its prototype release (as record), composed together.
 """
 from __future__ import annotations
 
@@ -43,6 +48,9 @@ class PrivacyLedger:
         from fedbus.node.privacy.dp import Accountant, record_noise_multiplier
 
         self.mechanism = str(privacy["dp"])
+        # record level over an extractor trained by DP-SGD: both releases composed per client
+        self.extractor_sgd = self.mechanism == "record" and \
+            privacy.get("dp_extractor", "plain") == "sgd"
         self.kind, self.delta = str(privacy["dp_accountant"]), float(privacy["delta"])
         self.clip = float(privacy["dp_clip"])
         self.z = float(privacy["dp_noise_multiplier"])
@@ -60,9 +68,9 @@ class PrivacyLedger:
         self.train = train
         self.sizes = sizes if sizes is not None else {}
         self._eps_sgd: dict[tuple[int, int], float] = {}  # (n, tasks) -> epsilon
-        if self.mechanism == "sgd" and train is None:
-            raise ValueError("privacy.dp = sgd: the ledger needs the [train] section "
-                             "(epochs, batch_size)")
+        if (self.mechanism == "sgd" or self.extractor_sgd) and train is None:
+            raise ValueError(f"privacy.dp = {self.mechanism} with DP-SGD: the ledger needs "
+                             "the [train] section (epochs, batch_size)")
 
     @property
     def per_client(self) -> bool:
@@ -92,6 +100,8 @@ class PrivacyLedger:
             q, steps = task_sampling(n, int(self.train["batch_size"]), int(self.train["epochs"]))
             acc = self._accountant(self.kind, self.delta)
             acc.add(self.z, q, steps=count * steps)
+            if self.extractor_sgd:  # each task also releases the prototypes once
+                acc.add(self.z_accounted, 1.0, steps=count)
             eps = self._eps_sgd[(n, count)] = acc.epsilon()
         return eps
 
@@ -105,7 +115,7 @@ class PrivacyLedger:
     def epsilon_of(self, client: int, count: int | None = None) -> float:
         """A client's epsilon after `count` participations (default: those charged)."""
         count = self.participations.get(client, 0) if count is None else count
-        if self.mechanism == "sgd":
+        if self.mechanism == "sgd" or self.extractor_sgd:
             return self.sgd_epsilon(self._size(client), count)
         return self.client_epsilon(count)
 
@@ -120,13 +130,23 @@ class PrivacyLedger:
 
     # --- client level: the run ---
 
-    def run_has_budget(self, sampled: int, live: int) -> bool:
+    def run_has_budget(self, rate: float) -> bool:
+        """Whether one more round, each client in it with probability `rate` (Poisson,
+        the engine's cohort at client level), stays within target_epsilon."""
         if self.mechanism != "client" or self.target <= 0:
             return True
-        return self.run.epsilon_after(self.z, min(1.0, sampled / max(live, 1))) <= self.target
+        return self.run.epsilon_after(self.z, rate) <= self.target
 
-    def charge_round(self, sampled: int, live: int) -> None:
-        self.run.add(self.z, min(1.0, sampled / max(live, 1)))
+    def charge_round(self, rate: float) -> None:
+        """A client-level round whose cohort took each live client independently with
+        probability `rate`, drawn from randomness no client knows (Engine._sample)."""
+        self.run.add(self.z, rate)
+
+    def note_clipped(self, clipped: int, seen: int) -> None:
+        """Client level without secure aggregation: of the `seen` deltas the server summed
+        this round, `clipped` were at the clip (it sees them, so the count tells it
+        nothing new); the next record() reports them."""
+        self._clipped = (int(clipped), int(seen))
 
     def noise_std(self) -> float:
         """The std of the Gaussian noise the server adds to a client-level round's sum."""
@@ -135,10 +155,10 @@ class PrivacyLedger:
     # --- reports ---
 
     def epsilon(self) -> float:
-        if self.mechanism == "record":
+        if self.mechanism == "record" and not self.extractor_sgd:
             return max((self.client_epsilon(n) for n in set(self.participations.values())),
                        default=0.0)
-        if self.mechanism == "sgd":
+        if self.per_client:  # sgd, record over a DP-SGD extractor: n differs per client
             return max((self.epsilon_of(c) for c in self.participations), default=0.0)
         return self.run.epsilon()
 
@@ -150,6 +170,9 @@ class PrivacyLedger:
             out["spent_clients"] = len(self.spent)
         if self.target > 0:
             out["target_epsilon"] = self.target
+        clipped = self.__dict__.pop("_clipped", None)
+        if clipped is not None:
+            out["clipped"], out["deltas"] = clipped
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -167,10 +190,11 @@ NOISE_SEED_FILE = "noise_seed"
 
 
 def run_noise_seed(run_dir: Any, *, create: bool) -> int:
-    """The server's secret seed of a run's client-level DP noise (privacy.dp_noise =
-    "secret"): 63 random bits from the OS, written once to RUN/noise_seed (mode 0600) and
-    never sent to any node, so no client can recompute the noise it adds to the global
-    model; `fedbus replay` and a resumed run read it back to redo the same noise."""
+    """The server's secret seed of a run's client-level DP noise and cohorts
+    (privacy.dp_noise = "secret"): 128 random bits from the OS (`secrets`, the kernel's
+    CSPRNG), written once to RUN/noise_seed (mode 0600) and never sent to any node, so no
+    client can recompute the noise added to the global model or who was sampled;
+    `fedbus replay` and a resumed run read it back to redo the same noise and cohorts."""
     import os
     import secrets
     from pathlib import Path
@@ -184,7 +208,7 @@ def run_noise_seed(run_dir: Any, *, create: bool) -> int:
     if not create:
         raise FileNotFoundError(f"{path} is missing: the server's DP noise of this run "
                                 "cannot be redone without it")
-    seed = secrets.randbits(63)
+    seed = secrets.randbits(128)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(f"{seed}\n")

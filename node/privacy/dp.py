@@ -102,8 +102,10 @@ import numpy as np
 import torch
 from dp_accounting import pld, rdp
 
-__all__ = ["PLD_DISCRETIZATION", "RDP_ORDERS", "Accountant", "clip_update", "dp_levels",
-           "dp_prototypes", "dp_refusal", "gaussian_like", "record_noise_multiplier"]
+__all__ = ["PLD_DISCRETIZATION", "RDP_ORDERS", "Accountant", "clip_update", "delta_norm",
+           "dp_levels",
+           "dp_prototypes", "dp_refusal", "gaussian_like", "record_noise_multiplier",
+           "secagg_clip_margin", "sgd_refusal"]
 
 # Integer Renyi orders (module doc: exact and fast for the subsampled Gaussian).
 RDP_ORDERS: tuple[float, ...] = tuple(float(a) for a in [*range(2, 65), 80, 96, 128, 256,
@@ -228,21 +230,40 @@ def record_noise_multiplier(z: float) -> float:
     return float(z) / math.sqrt(2.0)
 
 
-def _rng(seed: int) -> np.random.Generator:
-    return np.random.default_rng(np.random.SeedSequence([int(seed) & (2**63 - 1), _NOISE_TAG]))
+def _rng(seed: int | None) -> np.random.Generator:
+    """numpy's PCG64 seeded by SeedSequence([seed, tag]); seed None: 128 bits of fresh OS
+    entropy (SeedSequence draws them with `secrets`, the kernel's CSPRNG), for noise no
+    one can recompute."""
+    if seed is None:
+        return np.random.default_rng(np.random.SeedSequence())
+    seed = int(seed)
+    if seed < 0:
+        raise ValueError(f"a noise seed is a non-negative integer, got {seed}")
+    return np.random.default_rng(np.random.SeedSequence([seed, _NOISE_TAG]))
+
+
+def secagg_clip_margin(length: int, frac_bits: int) -> float:
+    """The most secure aggregation's fixed-point rounding (round to nearest, step
+    2^-frac_bits) can lengthen a vector of `length` values in L2: sqrt(length) x
+    2^-(frac_bits + 1). A client-level clip of C - this margin keeps the encoded delta
+    within C, the sensitivity the noise is calibrated to."""
+    return math.sqrt(max(int(length), 0)) * 2.0 ** -(int(frac_bits) + 1)
 
 
 @torch.inference_mode()
 def dp_prototypes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, num_classes: int,
-                  clip: float, z: float, seed: int, batch: int = 512, *,
-                  project: bool = True) -> dict[str, np.ndarray]:
+                  clip: float, z: float, seed: int | None, batch: int = 512, *,
+                  project: bool = True, stats: dict[str, int] | None = None
+                  ) -> dict[str, np.ndarray]:
     """A record-level DP release of a client's class prototypes over (x, y) (module doc):
     {"protos": float32 [C, D], "counts": int64 [C] presence flags}.
 
     Every sample's model.features(x) (model in eval mode, its mode restored after) is scaled
     to L2 norm at most `clip`; the per-class sums (float64) get N(0, (z clip)^2) noise per
     coordinate and the counts N(0, z^2), from numpy's generator seeded by `seed` (the same
-    seed and inputs give the same release). protos_k = S~_k / n~_k, projected onto the ball
+    seed and inputs give the same release; None: fresh OS entropy, `_rng`). `stats`, when
+    given, receives {"features": N, "clipped": features scaled down} (for the client's own
+    log: sent, the count would be an unnoised statistic of its data). protos_k = S~_k / n~_k, projected onto the ball
     of radius `clip` when `project` (post-processing), where n~_k >= 1, else a zero row;
     counts_k = 1 there, else 0. An empty training set is released too (pure noise: under
     add-or-remove it must look like any other). Classification only: dense labels (masks)
@@ -267,7 +288,11 @@ def dp_prototypes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, num_
                                  f"{tuple(h.shape)} (dense/segmentation networks)")
             h = h.double()
             norms = torch.linalg.vector_norm(h, dim=1, keepdim=True)
-            h = h * torch.clamp(clip / norms.clamp(min=1e-300), max=1.0)
+            # (1 - 2^-40): float64 rounding of the product never leaves the ball of radius C
+            h = h * torch.clamp(clip * (1.0 - 2.0 ** -40) / norms.clamp(min=1e-300), max=1.0)
+            if stats is not None:
+                stats["features"] = stats.get("features", 0) + int(norms.numel())
+                stats["clipped"] = stats.get("clipped", 0) + int((norms > clip).sum())
             yb = y[i:i + batch].to(h.device)
             if len(yb) and (int(yb.min()) < 0 or int(yb.max()) >= num_classes):
                 raise ValueError(f"labels must lie in [0, {num_classes})")
@@ -312,17 +337,35 @@ def clip_update(tree: Mapping[str, Any], clip: float) -> tuple[dict[str, Any], f
     allowed) scaled by min(1, clip / ||tree||), ||tree|| the global L2 norm over all its
     arrays together (float64 accumulation). Returns (the clipped tree, float32 arrays of the
     same shapes; the norm before clipping). Every array counts and is scaled, integer
-    buffers included (BatchNorm's num_batches_tracked): they come back float32."""
+    buffers included (BatchNorm's num_batches_tracked): they come back float32. The
+    float32 result's own norm is at most `clip` (rounding to float32 can lengthen a vector
+    by a relative 2^-24; the scale is shrunk until it does not)."""
     clip = float(clip)
     if not (clip > 0 and math.isfinite(clip)):
         raise ValueError(f"clip must be positive and finite, got {clip}")
+    norm = _norm(tree)
+    if not math.isfinite(norm):
+        raise ValueError("the update holds a non-finite value: it cannot be clipped")
+    scale = min(1.0, clip / norm) if norm > 0 else 1.0
+    while True:
+        out = _rebuild(tree, lambda a: (a.astype(np.float64) * scale).astype(np.float32))
+        if scale == 1.0 or _norm(out) <= clip:
+            return out, norm
+        scale *= 1.0 - 2.0 ** -22
+
+
+def delta_norm(tree: Mapping[str, Any]) -> float:
+    """The global L2 norm of a delta's float arrays (what clip_update bounds)."""
+    return _norm({k: v for k, v in tree.items()
+                  if isinstance(v, Mapping) or np.asarray(v).dtype.kind == "f"})
+
+
+def _norm(tree: Mapping[str, Any]) -> float:
     sq = 0.0
     for _, a in _leaves(tree):
         a = a.astype(np.float64, copy=False).ravel()
         sq += float(np.dot(a, a))
-    norm = math.sqrt(sq)
-    scale = min(1.0, clip / norm) if norm > 0 else 1.0
-    return _rebuild(tree, lambda a: (a.astype(np.float64) * scale).astype(np.float32)), norm
+    return math.sqrt(sq)
 
 
 def gaussian_like(tree: Mapping[str, Any], std: float, seed: int) -> dict[str, Any]:
@@ -402,7 +445,7 @@ def dp_refusal(server_cls: Any, level: str, params: Mapping[str, Any] | None = N
         admit = ", ".join(n for n, cls in _registry() if level in dp_levels(cls)) or "none"
         return f"privacy.dp = {level}: {name} cannot: {what}; algorithms that admit it: {admit}"
     if level == "sgd":
-        why = _sgd_refusal(name)
+        why = sgd_refusal(name)
         if why is not None:
             return why
     if level == "client" and params is not None and not server_cls.merges(params):
@@ -412,13 +455,14 @@ def dp_refusal(server_cls: Any, level: str, params: Mapping[str, Any] | None = N
     return None
 
 
-def _sgd_refusal(name: str) -> str | None:
-    """privacy.dp = sgd's own conditions: Opacus installed, and a client that trains through
+def sgd_refusal(name: str, setting: str = "privacy.dp = sgd") -> str | None:
+    """DP-SGD's own conditions (privacy.dp = sgd, or `setting`: privacy.dp_extractor = sgd
+    under record level): Opacus installed, and a client that trains through
     LocalClient.run_local (where fedbus.algorithms.core.dp_sgd takes over the steps)."""
     import importlib.util
 
     if importlib.util.find_spec("opacus") is None:
-        return ("privacy.dp = sgd needs the opacus package, which is not installed: "
+        return (f"{setting} needs the opacus package, which is not installed: "
                 "pip install 'fedbus[privacy]'")
     from fedbus.algorithms import get_algorithm
     from fedbus.algorithms.core.training import LocalClient
@@ -429,6 +473,6 @@ def _sgd_refusal(name: str) -> str | None:
         return None  # a server class known by no name: its declaration stands
     if not (isinstance(client, type) and issubclass(client, LocalClient)
             and client.run_local is LocalClient.run_local):
-        return (f"privacy.dp = sgd: {name} cannot: its client does not train through "
+        return (f"{setting}: {name} cannot: its client does not train through "
                 "LocalClient.run_local, where DP-SGD takes over the steps")
     return None
