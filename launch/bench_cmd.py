@@ -40,6 +40,8 @@ BENCHES = {
     "sim": ("sim", ("many seeds of a deterministic simulation of the whole federation (one "
                     "process, simulated clock and network, seeded faults), every invariant "
                     "checked; seeds per second and each violating seed's replay command")),
+    "shamir": ("shamir", ("secret sharing alone: the prime-field numpy Shamir beside "
+                          "pycryptodome's, split and batched combine per threshold")),
     "secagg": ("secagg", ("time and bytes per round at 10, 100 and 1,000 clients with and "
                           "without secure aggregation (no-op training), the secure round's "
                           "phases, against the issue's target")),
