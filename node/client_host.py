@@ -15,7 +15,6 @@ import copy
 import heapq
 import itertools
 import os
-import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -586,20 +585,35 @@ def dp_release(handler: ClientHandler, payload: dict[str, Any], privacy: dict[st
         return payload
     from fedbus.node.privacy import dp
 
+    clip = float(privacy["dp_clip"])
     if mechanism == "record":
         ctx = handler.ctx
-        if privacy.get("dp_noise", "secret") == "secret":
-            # the task seed is derivable by the server and every node: noise drawn from it
-            # could be recomputed and removed
-            seed = secrets.randbits(63)
+        # the task seed is derivable by the server and every node: noise drawn from it
+        # could be recomputed and removed; None draws fresh OS entropy (dp._rng)
+        noise_seed = None if privacy.get("dp_noise", "secret") == "secret" else seed
+        stats: dict[str, int] = {}
         release = dp.dp_prototypes(ctx.model, ctx.train_x, ctx.train_y, ctx.num_classes,
-                                   float(privacy["dp_clip"]),
-                                   float(privacy["dp_noise_multiplier"]), seed)
+                                   clip, float(privacy["dp_noise_multiplier"]), noise_seed,
+                                   stats=stats)
+        # counted here, in the client's own log: sent, it would be an unnoised statistic
+        log.debug("dp clip", mechanism="record", features=stats.get("features", 0),
+                  clipped=stats.get("clipped", 0))
         return {**payload, **release}
     # the learned (float) arrays are clipped together; integer buffers (BatchNorm's step
     # counters) pass as they are, as the update's work report tells their value anyway
     delta = payload["delta"]
     floats = {k: v for k, v in delta.items() if np.asarray(v).dtype.kind == "f"}
-    clipped, _ = dp.clip_update(floats, float(privacy["dp_clip"]))
+    if privacy.get("secure_aggregation"):
+        # secure aggregation rounds each value to its fixed-point grid: clipped to C less
+        # the most that rounding adds, the encoded delta stays within C (the sensitivity)
+        length = sum(int(np.asarray(v).size) for v in floats.values())
+        margin = dp.secagg_clip_margin(length, int(privacy["secagg_frac_bits"]))
+        if margin >= clip:
+            raise ValueError(f"privacy.dp_clip = {clip} is within secure aggregation's "
+                             f"rounding ({margin:.3g} for {length} values at secagg_frac_bits "
+                             f"= {privacy['secagg_frac_bits']}): raise one of them")
+        clip -= margin
+    clipped, norm = dp.clip_update(floats, clip)
+    log.debug("dp clip", mechanism="client", norm=round(norm, 6), clipped=norm > clip)
     return {**payload, "delta": {k: clipped.get(k, v) for k, v in delta.items()}}
 

@@ -1024,6 +1024,12 @@ class Engine:
 
         if not updates:  # no one sampled or answering: the noise alone, as one step
             return self._dp_noise_step()
+        from fedbus.node.privacy.dp import delta_norm
+
+        own = [u for u in updates if not u.members]  # (a relay's sum hides its members')
+        at_clip = sum(delta_norm(u.payload["delta"]) >= self.ledger.clip * (1 - 1e-5)
+                      for u in own)
+        self.ledger.note_clipped(at_clip, len(own))
         rule = self.handler.merge_rule()
         params = resolved_params(type(self.handler), self.cfg.algorithm)
         ones = [ClientUpdate(client=u.client, payload=u.payload, num_samples=1, work=u.work,
