@@ -66,6 +66,7 @@ MAX_REGISTER_BYTES = 2 * 1024 * 1024
 _UNLIMITED = 1 << 62
 
 ENDED_RUNS = 64  # runs whose shutdown a late-registering node is sent (Broker._ended)
+MEMBERS_PER_RUN = 100_000  # node incarnations remembered per run (Broker._members)
 # kinds a node may send to the broker itself (dst "broker")
 _CONTROL_KINDS = frozenset({"register", "heartbeat", "leave", "shutdown"})
 # kinds a node never sends to another node: only the broker sends ready/join/leave notices,
@@ -87,6 +88,7 @@ class Node:
         "clients",
         "credit",
         "fd",
+        "inc",
         "is_server",
         "last_seen",
         "name",
@@ -103,8 +105,9 @@ class Node:
     )
 
     def __init__(self, name: str, rid: bytes, role: str, clients: tuple[str, ...], run: str,
-                 now: float):
+                 now: float, inc: int = 0):
         self.name = name
+        self.inc = inc  # its Peer's incarnation: the same process across re-registrations
         self.rid = rid
         self.role = role
         self.is_server = role == "server"
@@ -374,6 +377,14 @@ class Broker:
         # that registers afterwards (stopped or cut off past the end) is sent it then, or it
         # would wait for a finished run forever. The newest ENDED_RUNS runs are kept.
         self._ended: dict[str, tuple[bytes, bytes]] = {}
+        # run -> (name, inc) of the client nodes registered while its server was: one of
+        # them registering again with no run (never configured: its config was lost, say)
+        # after the run ended is the same process, and is sent the shutdown too; a new
+        # process of that name is not (it may be waiting for the next run)
+        self._members: dict[str, set[tuple[str, int]]] = {}
+        # (name, inc) of the client nodes registered while the current server is: its run's
+        # members once that is known (a relay, the server of its site, learns it upstream)
+        self._with_server: set[tuple[str, int]] = set()
         # counters (totals) and the per-second snapshot
         self.n_routed = 0
         self.n_bytes = 0
@@ -383,6 +394,7 @@ class Broker:
         self.bad_reasons: dict[str, int] = {}
         self.n_rate_limited = 0  # messages dropped over a node's rate limit
         self.n_register_held = 0  # registrations held by the per-key limit
+        self.n_ended_sent = 0  # shutdowns sent to nodes registering after their run ended
         # rate limits: token buckets per identity (kept across registrations), per-key
         # registration buckets [tokens, time], and the newest held registration per key
         self._budgets: dict[str, _Budget] = {}
@@ -584,7 +596,7 @@ class Broker:
     def dispatch(self, rid: bytes, hdr: bytes, body) -> None:
         """Validate one message's header and route it, refuse it or handle it here."""
         try:
-            kind, src, dst, _run, _rnd, seq, _inc, _ts = wire.header_fields(
+            kind, src, dst, run, _rnd, seq, inc, _ts = wire.header_fields(
                 hdr, max_frame=self.max_frame)
         except WireError as e:
             self.bad_frame(rid, str(e))
@@ -595,11 +607,13 @@ class Broker:
             return
         node = self.nodes.get(rid)
         if node is None:
-            self.from_unregistered(rid, kind, src, dst, seq, body)
+            self.from_unregistered(rid, kind, src, dst, seq, body, inc)
             return
         node.last_seen = self.now
+        if run and run != node.run:  # configured since it registered (not re-registered)
+            self._run_learned(node, run)
         if dst == BROKER and kind in _UNMETERED_KINDS:
-            self.process_node(node, kind, src, seq, body)
+            self.process_node(node, kind, src, seq, body, inc)
             return
         credit = node.credit
         if credit.msgs <= 0 or credit.nbytes <= 0:
@@ -610,7 +624,7 @@ class Broker:
         credit.msgs -= 1
         credit.nbytes -= len(hdr) + blen
         if dst == BROKER:
-            self.process_node(node, kind, src, seq, body)
+            self.process_node(node, kind, src, seq, body, inc)
             return
         if kind in _NOT_FORWARDED:
             self.refuse(node, kind, src, dst, seq, "forbidden",
@@ -623,7 +637,7 @@ class Broker:
             return
         if node.is_server:
             if dst == BROADCAST:
-                self.broadcast(node, hdr, body, kind, src, seq)
+                self.broadcast(node, hdr, body, kind, src, seq, run)
                 return
             target = self.routes.get(dst)
         elif dst == SERVER:
@@ -683,13 +697,16 @@ class Broker:
             )
         return True
 
-    def broadcast(self, node: Node, hdr: bytes, body, kind: str, src: str, seq: int) -> None:
-        """Server -> "*": one copy to every client node."""
-        if kind == "shutdown" and node.run:
-            self._ended.pop(node.run, None)
+    def broadcast(self, node: Node, hdr: bytes, body, kind: str, src: str, seq: int,
+                  run: str = "") -> None:
+        """Server -> "*": one copy to every client node. A shutdown is kept under the run
+        its header names: a relay registers at its site's broker before it knows its run."""
+        run = run or node.run
+        if kind == "shutdown" and run:
+            self._ended.pop(run, None)
             if len(self._ended) >= ENDED_RUNS:
                 del self._ended[next(iter(self._ended))]
-            self._ended[node.run] = (bytes(hdr), bytes(_buf(body)))
+            self._ended[run] = (bytes(hdr), bytes(_buf(body)))
         if not self.client_nodes:
             self.refuse(node, kind, src, BROADCAST, seq, "unroutable",
                         "broadcast with no client node registered")
@@ -779,13 +796,14 @@ class Broker:
                             inc=self.inc, ts=time.time())
 
     # ------------------------------------------------------------------ control
-    def process_node(self, node: Node, kind: str, src: str, seq: int, body) -> None:
+    def process_node(self, node: Node, kind: str, src: str, seq: int, body,
+                     inc: int = 0) -> None:
         """A message from a registered node to the broker itself."""
         if kind == "heartbeat":
             self._note_connection(node, body)
             return
         if kind == "register":
-            self.register(node.rid, src, body)
+            self.register(node.rid, src, body, inc)
             return
         if kind == "leave":
             self.unregister(node, "unregistered")
@@ -797,9 +815,10 @@ class Broker:
         self.refuse(node, kind, src, BROKER, seq, "forbidden",
                     f"the broker does not accept {kind!r} from a {node.role} node")
 
-    def from_unregistered(self, rid: bytes, kind: str, src: str, dst: str, seq: int, body) -> None:
+    def from_unregistered(self, rid: bytes, kind: str, src: str, dst: str, seq: int, body,
+                          inc: int = 0) -> None:
         if kind == "register" and dst == BROKER:
-            self.register(rid, src, body)
+            self.register(rid, src, body, inc)
             return
         if kind == "leave" and dst == BROKER:
             return
@@ -816,7 +835,7 @@ class Broker:
                          "this node is not registered (broker restarted?): register again",
                          log=False)
 
-    def register(self, rid: bytes, src: str, body_frame) -> None:
+    def register(self, rid: bytes, src: str, body_frame, inc: int = 0) -> None:
         """A registration arrived: refuse an oversized body or an unknown key; register now,
         or hold it while its key is over the registration limit (the newest per key)."""
         blen = len(body_frame)
@@ -832,14 +851,14 @@ class Broker:
         name, entry = ident
         key = entry.public if entry is not None else name
         if key in self._reg_held:  # after the one held (it replaces it): never out of order
-            self._hold_registration(key, (rid, src, body_frame, name),
+            self._hold_registration(key, (rid, src, body_frame, name, inc),
                                     max(self._next_reg_flush - self.now, 0.001))
             return
         wait = self._register_token(key)
         if wait:
-            self._hold_registration(key, (rid, src, body_frame, name), wait)
+            self._hold_registration(key, (rid, src, body_frame, name, inc), wait)
             return
-        self._register(rid, src, body_frame, name, entry)
+        self._register(rid, src, body_frame, name, entry, inc)
 
     def _identity(self, rid: bytes, body_frame) -> tuple[str, object] | None:
         """(node name, allow-list entry or None) of a registration's connection; None after
@@ -883,7 +902,7 @@ class Broker:
         """Hold a registration over its key's limit until a token is free; it replaces the
         one held for the key (a Peer's newer register carries its whole, newest list). A held
         one from another connection is answered `rate_limited`."""
-        rid, _src, _frame, name = item
+        rid, _src, _frame, name, _inc = item
         prev = self._reg_held.get(key)
         retry = round(wait, 3)
         if prev is None and len(self._reg_held) >= 10_000:
@@ -917,13 +936,14 @@ class Broker:
                 nxt = min(nxt, now + wait)
                 continue
             del self._reg_held[key]
-            rid, src, frame, _name = item
+            rid, src, frame, _name, inc = item
             ident = self._identity(rid, frame)  # the allow-list may have changed meanwhile
             if ident is not None:
-                self._register(rid, src, frame, *ident)
+                self._register(rid, src, frame, *ident, inc)
         self._next_reg_flush = nxt
 
-    def _register(self, rid: bytes, src: str, body_frame, name: str, entry) -> None:
+    def _register(self, rid: bytes, src: str, body_frame, name: str, entry,
+                  inc: int = 0) -> None:
         """Register (or re-register) a node; reply "ready" or "error"."""
         try:
             body = _decode_register(body_frame)
@@ -972,7 +992,7 @@ class Broker:
             if old.rid != rid:
                 del self.nodes[old.rid]
                 self.log.warning("node replaced by a new connection with its key", node=name)
-        node = Node(name, rid, role, clients, run, self.now)
+        node = Node(name, rid, role, clients, run, self.now, inc)
         # its budget is its identity's, kept across registrations (a re-register refills
         # nothing)
         budget = self._budgets.get(name)
@@ -1013,19 +1033,70 @@ class Broker:
         }, run=run))
         if role == "server":
             self._ended.pop(run, None)  # the run goes on (resumed)
+            self._with_server = set()
             for cn in list(self.client_nodes.values()):
+                self._member(run, cn)
                 self.send_to(rid, self._msg("join", SERVER, {
                     "node": cn.name, "clients": list(cn.clients), "reason": "registered"},
                     run=cn.run))
         else:
             self.notify_server("join", node, "registered")
-            ended = self._ended.get(run) if run else None
+            # (a server whose shutdown went out is only waiting for it to be delivered)
+            live = self.server.run if self.server is not None else ""
+            live = "" if live in self._ended else live
+            if self.server is not None:
+                self._member(live, node)
+            ended, run = self._ended_for(node, live)
             if ended is not None:  # its run ended while it was away: the shutdown it missed
+                self.n_ended_sent += 1
                 self.log.info("shutdown sent to a node registering after its run ended",
                               node=name, run=run)
                 self.route(b"", node, ended[0], ended[1], "shutdown", SERVER, BROADCAST, 0,
                            len(ended[1]))
         self.unpark(node)
+
+    def _run_learned(self, node: Node, run: str) -> None:
+        """A node's messages name a run its registration did not: a node configured since
+        (whose shutdown and joins then name it), or a relay's site server that learned its
+        run upstream (the site's nodes are that run's members)."""
+        node.run = run
+        if node is self.server:
+            members = self._run_members(run)
+            for key in self._with_server:
+                if len(members) < MEMBERS_PER_RUN:
+                    members.add(key)
+
+    def _member(self, run: str, node: Node) -> None:
+        """Note a client node registered while the server (of `run`, if known) is."""
+        key = (node.name, node.inc)
+        if len(self._with_server) < MEMBERS_PER_RUN:
+            self._with_server.add(key)
+        if run:
+            members = self._run_members(run)
+            if len(members) < MEMBERS_PER_RUN:
+                members.add(key)
+
+    def _run_members(self, run: str) -> set[tuple[str, int]]:
+        members = self._members.get(run)
+        if members is None:
+            while len(self._members) >= 2 * ENDED_RUNS:  # runs whose server never ended
+                del self._members[next(iter(self._members))]
+            members = self._members[run] = set()
+        return members
+
+    def _ended_for(self, node: Node, live: str) -> tuple[tuple[bytes, bytes] | None, str]:
+        """(the shutdown of the ended run a registering client node missed, that run), or
+        (None, ""): none, or another run's server is live (the node joins that run)."""
+        run = node.run
+        if run:
+            ended = self._ended.get(run)
+            return (ended, run) if ended is not None and live in ("", run) else (None, "")
+        if live:
+            return None, ""
+        for run in reversed(self._ended):  # (newest first)
+            if (node.name, node.inc) in self._members.get(run, ()):
+                return self._ended[run], run
+        return None, ""
 
     def _register_error(self, rid: bytes, name: str, code: str, reason: str, **extra) -> None:
         self.n_refused += 1

@@ -382,6 +382,31 @@ class Peer:
             self._reregister = True
         self._wake()
 
+    @property
+    def delivery_wait_s(self) -> float:
+        """How long a node that ended its run waits for its shutdown to be delivered
+        (wait_delivered): through a broker restart and a reconnection's backoff."""
+        return max(30.0, 4 * self.heartbeat_s * self.liveness)
+
+    def wait_delivered(self, dst: str, timeout: float, stop=None) -> bool:
+        """Block until nothing sent to dst is undelivered (the connection lives on,
+        reconnecting and resending), at most timeout seconds or until stop() is true;
+        True once delivered."""
+        limit = time.monotonic() + timeout
+        while self.undelivered(dst):
+            if time.monotonic() >= limit or (stop is not None and stop()):
+                return False
+            time.sleep(0.02)
+        return True
+
+    def set_run(self, run: str) -> None:
+        """Register again for this run: a relay restarted unconfigured learns its run from
+        its site's nodes, and registered for it upstream it is told if that run ended."""
+        with self._lock:
+            self.run = run
+            self._reregister = True
+        self._wake()
+
     def recv(self, timeout: float | None = None) -> Message | None:
         """The next application message (task, update, eval, eval_result, error, shutdown,
         join, leave), duplicates already dropped; None on timeout or once closed."""
@@ -447,6 +472,15 @@ class Peer:
     def unacked_for(self, dst: str) -> int:
         """Messages to dst in the resend buffer (sent, not acknowledged yet)."""
         return len(self._by_dst.get(dst, ()))
+
+    def undelivered(self, dst: str) -> int:
+        """Messages to dst queued by send() or in the resend buffer: not delivered yet (a
+        broadcast is delivered once every client node live at its sending acknowledged it
+        or left, or the broker refused it)."""
+        # the queue first: _take_outgoing files a message in the buffer before it leaves
+        # the queue, so one on its way between the two is counted in one or the other
+        queued = sum(1 for m in list(self._outq) if m.dst == dst)
+        return queued + len(self._by_dst.get(dst, ()))
 
     @property
     def dedup_keys(self) -> int:
@@ -634,7 +668,7 @@ class Peer:
         ready = self._state == _READY and self._sock is not None
         now = time.monotonic()
         while q:
-            msg = q.popleft()
+            msg = q[0]
             waiting = None
             if msg.dst == BROADCAST and self._client_nodes:
                 waiting = set(self._client_nodes)
@@ -647,6 +681,7 @@ class Peer:
                 per_dst = self._by_dst[out.dst] = {}
             per_dst[key] = None
             self.n_sent += 1
+            q.popleft()  # (only now: undelivered() counts it in one place or the other)
             if ready:
                 self._transmit(out.frames)
                 out.sent_at = now
