@@ -26,7 +26,7 @@ from fedbus.algorithms.core.handlers import ClientHandler, LocalRun
 from fedbus.broker.log import get_logger
 from fedbus.broker.peer import Peer
 from fedbus.broker.wire import Message
-from fedbus.node.client_state import ClientStateStore
+from fedbus.node.client_state import ClientStateStore, last_run
 from fedbus.node.config import Config, build_config
 from fedbus.node.engine import SERVER, client_address, client_index
 from fedbus.node.pool import ClientPool
@@ -114,7 +114,7 @@ class ClientNode:
             self.secure = SecureClient(server_cls.merge_rule(params), params,
                                        unit_weight=cfg.privacy.dp == "client")
         if self.state_dir is not None:
-            self.states = ClientStateStore(self.state_dir, run_id)
+            self.states = ClientStateStore(self.state_dir, run_id, node=self.name)
             self._unrestored = self.states.clients() & set(self.clients)
             if self._unrestored:
                 log.info("client states found: restored as their clients are first sent "
@@ -125,8 +125,10 @@ class ClientNode:
                  clients=len(self.clients), threads=threads, **self.pool.stats())
 
     def serve(self) -> int:
+        # registered for the run its states on disk are of: told if that run ended
         self.peer = peer = Peer(self.broker, self.name, role="client",
                                 addresses=[client_address(c) for c in self.clients],
+                                run=last_run(self.state_dir, self.clients, self.name),
                                 heartbeat_s=self.heartbeat_s, liveness=self.liveness,
                                 curve=self.curve)
         peer.start()
@@ -144,7 +146,10 @@ class ClientNode:
                     continue
                 if msg.kind == "shutdown":
                     reason = (msg.body or {}).get("reason")
-                    log.info("shutdown", reason=reason)
+                    log.info("shutdown", reason=reason, run=msg.run)
+                    if self.states is None and self.state_dir is not None and msg.run and \
+                            msg.run == peer.run:  # its run ended while it was down
+                        self.states = ClientStateStore(self.state_dir, msg.run, node=self.name)
                     if self.states is not None and reason == "run complete":
                         self.states.discard(self.clients)
                     return 0

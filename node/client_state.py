@@ -56,13 +56,27 @@ import torch
 _NAME = re.compile(r"client-(\d+)-r(\d+)\.pt$")
 
 
+def node_mark(node: str) -> str:
+    """The file that marks a node configured for the run whose folder holds it (a name is
+    any string: hashed to name a file)."""
+    return "node-" + hashlib.sha256(node.encode()).hexdigest()[:16]
+
+
 class ClientStateStore:
-    def __init__(self, root: str | Path, run_id: str, *, keep: int = 2):
+    """node: the node's name, marked in the run's folder (node_mark) until discard, so a
+    node restarted before its first config knows its run even with no state written yet
+    (last_run)."""
+
+    def __init__(self, root: str | Path, run_id: str, *, keep: int = 2,
+                 node: str | None = None):
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", run_id or ""):
             raise ValueError(f"run id {run_id!r} cannot name a folder")
         self.path = Path(root) / run_id
         self.keep = max(1, keep)
         self.path.mkdir(parents=True, exist_ok=True)
+        self._mark = self.path / node_mark(node) if node is not None else None
+        if self._mark is not None:
+            self._mark.touch()
         self.saved: dict[int, list[int]] = {}  # client -> rounds on disk, oldest first
         self.written_by_round: Counter[int] = Counter()  # files this store wrote, by round
         self.skipped = 0  # states not written: a resume gets the same without (save's rule)
@@ -128,6 +142,8 @@ class ClientStateStore:
             self._newest.pop(client, None)
             for round_ in self.saved.pop(client, []):
                 self._file(client, round_).unlink(missing_ok=True)
+        if self._mark is not None:
+            self._mark.unlink(missing_ok=True)
         try:
             self.path.rmdir()
         except OSError:  # other nodes' clients still there
@@ -201,3 +217,30 @@ def _feed(h, value: Any, tensors: list) -> None:
         h.update(repr((type(value).__name__, value)).encode())
     else:  # a repr may not show all of an object: count it as changed, and write
         h.update(os.urandom(16))
+
+
+def last_run(root: str | Path | None, clients: list[int], node: str) -> str:
+    """The run a node was last configured for, as its state folder says: the newest run
+    folder holding its node_mark or states of its clients ("" if none). A node restarted
+    before its first config registers for that run: had it ended while the node was
+    down, the broker sends it the run's shutdown (PROTOCOL.md §5). A run that completed
+    deleted both, so a folder kept for the next run names none."""
+    if root is None:
+        return ""
+    wanted, mark, found, newest = set(clients), node_mark(node), "", -1.0
+    try:
+        runs = sorted(Path(root).iterdir())
+    except OSError:
+        return ""
+    for run in runs:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", run.name):
+            continue
+        try:
+            files = [f for f in run.iterdir() if f.name == mark or (
+                (m := _NAME.fullmatch(f.name)) and int(m[1]) in wanted)]
+            when = max((f.stat().st_mtime for f in files), default=None)
+        except OSError:  # (another node discarding its clients' states meanwhile)
+            continue
+        if when is not None and when > newest:
+            found, newest = run.name, when
+    return found

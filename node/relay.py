@@ -112,6 +112,7 @@ class Relay:
         self.privacy: dict[str, Any] = {}
         self._running = False
         self._too_large_noted = False
+        self.ended = False  # the server's shutdown came (and went down to the site)
 
     # --- the loop -----------------------------------------------------------------
 
@@ -157,6 +158,7 @@ class Relay:
         finally:
             self._running = False
             log.info("relay stopped", **self.stats)
+            self.await_shutdown_down()
             self.up.close()
             self.down.close()
 
@@ -184,6 +186,7 @@ class Relay:
         elif kind in ("eval", "error", "secagg") and msg.dst != self.name:
             self.down.send(kind, msg.dst, body, round=msg.round, encoded=msg.frames[1])
         elif kind == "shutdown":
+            self.ended = True
             self.down.send("shutdown", BROADCAST, body, round=msg.round)
             log.info("shutdown", reason=(body or {}).get("reason") if isinstance(body, dict)
                      else None)
@@ -192,6 +195,14 @@ class Relay:
             log.warning("server error", **{k: v for k, v in (body or {}).items()
                                            if k != "payload"})
         return False
+
+    def await_shutdown_down(self) -> None:
+        """As the server does (ServerNode._await_shutdown): the site's broker, away as the
+        run ended, would lose the shutdown, and the site's nodes would wait for ever."""
+        if self.ended and self.down.undelivered(BROADCAST) and \
+                not self.down.wait_delivered(BROADCAST, self.down.delivery_wait_s):
+            log.warning("the shutdown was not delivered to the site: a node that missed it "
+                        "waits until it is stopped", waited_s=self.down.delivery_wait_s)
 
     def on_config(self, run: str, body: dict[str, Any]) -> None:
         if run != self.run_id:  # a new run (or the first): every node configures again
@@ -249,6 +260,8 @@ class Relay:
         if kind == "join" and isinstance(body, dict):
             self.on_join(str(body.get("node")), [c for c in body.get("clients", [])
                                                  if isinstance(c, str)])
+            if not self.run_id and msg.run and msg.run != self.up.run:
+                self._site_run(msg.run)
         elif kind == "leave" and isinstance(body, dict):
             self.on_leave(str(body.get("node")))
         elif kind == "config" and isinstance(body, dict):
@@ -267,6 +280,15 @@ class Relay:
             dst = body.get("dst")
             if body.get("kind") == "task" and isinstance(dst, str):
                 self._failed(dst)
+
+    def _site_run(self, run: str) -> None:
+        """Not configured yet (restarted), it hears a node of its site is in `run` (the
+        join's header): it registers upstream for that run, so the broker tells it if the
+        run ended while it was down, and its shutdown goes down under that run (the site's
+        broker keeps it for the site's nodes away); a live run's server configures it."""
+        log.info("the site's nodes are in a run: registering for it", run=run)
+        self.down.run = run
+        self.up.set_run(run)
 
     def on_join(self, node: str, clients: list[str]) -> None:
         self.nodes[node] = clients

@@ -24,7 +24,7 @@ from fedbus.algorithms import get_algorithm
 from fedbus.algorithms.core.handlers import ServerContext, ServerHandler, Work
 from fedbus.broker.log import get_logger
 from fedbus.broker.peer import Peer
-from fedbus.broker.wire import BROKER, Message, decode_body, encode_body
+from fedbus.broker.wire import BROADCAST, BROKER, Message, decode_body, encode_body
 from fedbus.models import describe_group
 from fedbus.node.config import Config, ConfigError
 from fedbus.node.engine import (SERVER, Engine, Out, Refusal, client_address, client_index,
@@ -503,12 +503,29 @@ class ServerNode:
         finally:
             if engine.done:
                 self._finish()
+                self._await_shutdown(peer, stop)
             else:
                 self._stopped(why)
             peer.close()
         if engine.done:
             return 0
         return 128 + (signal.SIGTERM if why == "SIGTERM" else signal.SIGINT)
+
+    def _await_shutdown(self, peer: Peer, stop: StopSignals) -> None:
+        """Keep the connection until the shutdown is delivered (every client node live when
+        it left acknowledged it or is gone, or a broker with none refused it; the broker
+        keeps it for nodes that come back, PROTOCOL.md §5), at most Peer.delivery_wait_s:
+        a broker down as the run ended would lose it, and a node that missed it would wait
+        for ever."""
+        if not peer.undelivered(BROADCAST):
+            return
+        wait = peer.delivery_wait_s
+        if not peer.connected:
+            log.info("broker away: waiting to deliver the shutdown", up_to_s=wait)
+        if not peer.wait_delivered(BROADCAST, wait, lambda: stop.signum):
+            log.warning("the shutdown was not delivered: a node that missed it waits until "
+                        "it is stopped", waited_s=wait, broker=self.broker,
+                        connected=peer.connected)
 
     def _describe_models(self) -> None:
         """Parameter counts and feature dims of the federation's networks."""
