@@ -329,6 +329,8 @@ class World:
         self.server: SimServer | None = None
         self.nodes: dict[str, SimNode] = {}
         self.exited: dict[str, int] = {}  # party -> exit code
+        self.exits: list[str] = []  # parties in the order they exited
+        self.broker_down_at_end = False  # the server's shutdown left with no broker to take it
         self.server_rc: int | None = None
         self.shutdown_unsent = False
 
@@ -615,12 +617,12 @@ class World:
                         above = site != "broker" and f"r{site[4:]}" in waiting
                         forgot = site != "broker" and site in self.brokers and \
                             not self.brokers[site]._ended and f"r{site[4:]}" in self.exited
-                        why = " (the server ended with the broker down: its shutdown was " \
-                            "lost)" if self.shutdown_unsent else " (its relay missed the " \
-                            "shutdown)" if above else " (its site broker kept no ended run: " \
-                            "the relay registered there before it knew its run)" if forgot \
-                            else "" if run else \
-                            " (not configured since its start: it registered with no run id)"
+                        why = " (the server's shutdown was not delivered within its " \
+                            "wait)" if self.shutdown_unsent else " (its relay missed the " \
+                            "shutdown)" if above else " (its site broker kept no ended run)" \
+                            if forgot else "" if run else " (not configured since its " \
+                            "start, and registered for no run: a new process with nothing " \
+                            "of the run on disk)"
                         self.problems.append(f"{what} {node.name} never took the "
                                              f"shutdown{why}")
                         node.kill()
@@ -699,21 +701,38 @@ class SimServer:
         self._tick_at: float | None = None
         self._step(lambda: outs)
 
+    def _await_shutdown(self, until: float) -> None:
+        """ServerNode._await_shutdown: the Peer lives on (reconnecting, resending) until
+        the shutdown is delivered, or the wait is over."""
+        from fedbus.broker.wire import BROADCAST
+
+        p, world = self.peer, self.world
+        if not self.alive:
+            return
+        if p.undelivered(BROADCAST) and world.clock.t < until:
+            world.at(world.clock.t + 0.02, self._await_shutdown, until)
+            return
+        world.shutdown_unsent = p.undelivered(BROADCAST) > 0
+        self.exiting = world.clock.t + 1.0
+        self._linger()
+
     def _linger(self) -> None:
         """Peer.close: up to its linger, while registered, for what is not acknowledged."""
         from fedbus.broker.peer import _READY
 
         p, world = self.peer, self.world
+        if not self.alive:
+            return
         if world.clock.t < self.exiting and p._state == _READY and (p._outq or p._unacked):
             world.at(world.clock.t + 0.01, self._linger)
             return
         self.alive = False
-        world.shutdown_unsent = world.brokers.get("broker") is None or p._state != _READY
         p._goodbye()
         p.close(0)
         if p._sock is not None:
             p._sock.close()
         world.server, world.server_rc = None, 0
+        world.exits.append("server")
         world.note("server_exit")
 
     def kill(self) -> None:
@@ -760,10 +779,14 @@ class SimServer:
             return
         self.peer._take_outgoing()
         world.arm_faults(e.version)
-        if e.done:  # serve's finally: _finish, then peer.close() (linger 1 s)
+        if e.done:  # serve's finally: _finish, _await_shutdown, peer.close() (linger 1 s)
+            from fedbus.broker.peer import _READY
+
+            world.broker_down_at_end = world.brokers.get("broker") is None or \
+                self.peer._state != _READY
             self.srv._finish()
-            self.exiting = world.clock.t + 1.0
-            self._linger()
+            self.exiting = float("inf")  # (takes no more messages)
+            self._await_shutdown(world.clock.t + self.peer.delivery_wait_s)
             return
         d = e.next_deadline()
         if d is not None:
@@ -781,13 +804,16 @@ class SimNode:
 
     def __init__(self, world: World, name: str, clients: list[int]):
         from fedbus.node.client_host import ClientNode
+        from fedbus.node.client_state import last_run
         from fedbus.node.engine import client_address
 
         self.world, self.name, self.alive = world, name, True
         self.node = ClientNode("sim://broker", clients, name=name, state_dir=world.state_dir,
                                heartbeat_s=HEARTBEAT_S, liveness=LIVENESS)
+        # (ClientNode.serve's Peer: registered for the run of its clients' states on disk)
         self.peer = world.make_peer(self, name, world.node_broker[name], role="client",
-                                    addresses=[client_address(c) for c in clients])
+                                    addresses=[client_address(c) for c in clients],
+                                    run=last_run(self.node.state_dir, clients, name))
         self.node.peer = self.held = HeldSends(self.peer)
         self.busy = False
         world.note("node_up", name, self.peer.inc)
@@ -814,7 +840,13 @@ class SimNode:
 
         world = self.world
         if msg.kind == "shutdown":  # ClientNode.serve's shutdown
+            from fedbus.node.client_state import ClientStateStore
+
             reason = (msg.body or {}).get("reason")
+            if self.node.states is None and self.node.state_dir is not None and msg.run and \
+                    msg.run == self.peer.run:
+                self.node.states = ClientStateStore(self.node.state_dir, msg.run,
+                                                    node=self.name)
             if self.node.states is not None and reason == "run complete":
                 self.node.states.discard(self.node.clients)
             self.alive = False
@@ -823,6 +855,7 @@ class SimNode:
             if self.peer._sock is not None:
                 self.peer._sock.close()
             world.exited[self.name] = 0
+            world.exits.append(self.name)
             world.note("node_exit", self.name)
             return
         cost = 0.001
@@ -882,14 +915,14 @@ class SimRelay:
     def wake(self, tag: str) -> None:
         r, world = self.relay, self.world
         peer = r.up if tag == "up" else r.down
-        while self.alive:
+        while self.alive and not r.ended:
             msg = peer.recv(timeout=0)
             if msg is None:
                 break
             try:
                 if tag == "up":
                     if r.from_server(msg):
-                        self._exit()
+                        self._exit(world.clock.t + r.down.delivery_wait_s)
                         return
                 else:
                     r.from_site(msg)
@@ -901,7 +934,7 @@ class SimRelay:
         self._schedule()
 
     def _expire(self, at: float | None = None) -> None:
-        if not self.alive or (at is not None and at != self._expiry):
+        if not self.alive or self.relay.ended or (at is not None and at != self._expiry):
             return
         if at is not None:
             self._expiry = None
@@ -917,8 +950,18 @@ class SimRelay:
             self._expiry = min(open_)
             self.world.at(max(self._expiry, self.world.clock.t), self._expire, self._expiry)
 
-    def _exit(self) -> None:
-        """serve's finally: both peers closed (with their linger: the shutdown goes down)."""
+    def _exit(self, until: float) -> None:
+        """serve's finally: await_shutdown_down (the down Peer lives on, reconnecting and
+        resending, until the site's broker has the shutdown or the wait is over), then both
+        peers closed."""
+        from fedbus.broker.wire import BROADCAST
+
+        if not self.alive:
+            return
+        self.relay.down._take_outgoing()
+        if self.relay.down.undelivered(BROADCAST) and self.world.clock.t < until:
+            self.world.at(self.world.clock.t + 0.02, self._exit, until)
+            return
         self.alive = False
         for p in (self.relay.down, self.relay.up):
             p._take_outgoing()
@@ -927,4 +970,5 @@ class SimRelay:
             if p._sock is not None:
                 p._sock.close()
         self.world.exited[self.name] = 0
+        self.world.exits.append(self.name)
         self.world.note("relay_exit", self.name)

@@ -20,11 +20,20 @@ CLEAN_SEEDS = range(60)  # 60 federations, 3 faults each
 
 
 def run(seed: int, **kw):
+    return run_world(seed, **kw)[0]
+
+
+def run_world(seed: int, **kw):
+    """(the result, the finished world: who exited in which order, its brokers)"""
     world = World(seed, **kw)
     try:
-        return world.run()
+        return world.run(), world
     finally:
         world.close()
+
+
+def problems(res) -> list[str]:
+    return [str(v) for v in res.violations]
 
 
 @pytest.fixture(autouse=True)
@@ -39,32 +48,11 @@ def _quiet():
     torch.set_num_threads(threads)
 
 
-# The one open finding (docs/RELIABILITY.md, "Simulation"): a node that misses the run's
-# shutdown waits for ever, when it registers after the shutdown with no run id (restarted,
-# not configured yet), when the server ends while the broker is down, or below a relay,
-# whose site broker keeps no ended run (the relay registers there before it knows its run).
-OPEN_FINDING = ("(not configured since its start", "(the server ended with the broker down",
-                "(its site broker kept no ended run")
-BELOW = "(its relay missed the shutdown)"  # explained by its relay's violation
-
-
-def unexplained(violations) -> list[str]:
-    """The violations other than the open finding (a hang is that finding only when a node
-    that missed the shutdown explains it)."""
-    explained = any(v.invariant == "completion" and any(m in v.detail for m in OPEN_FINDING)
-                    for v in violations)
-    return [str(v) for v in violations
-            if not (v.invariant == "completion" and explained and (
-                "never took the shutdown" in v.detail and
-                (any(m in v.detail for m in OPEN_FINDING) or BELOW in v.detail)
-                or "did not end within" in v.detail))]
-
-
 def test_seeds_run_clean_with_every_fault_kind():
     kinds, fired = set(), 0
     for seed in CLEAN_SEEDS:
         res = run(seed)
-        assert not unexplained(res.violations), (seed, [str(v) for v in res.violations])
+        assert not res.violations, (seed, problems(res))
         assert res.rounds_done == 6, seed
         kinds |= {f.kind for f in res.faults if f.fired_at >= 0}
         fired += res.faults_fired
@@ -79,7 +67,7 @@ def test_relay_seeds_run_clean():
     kinds = set()
     for seed in range(20):
         res = run(seed, relays=1)
-        assert not unexplained(res.violations), (seed, [str(v) for v in res.violations])
+        assert not res.violations, (seed, problems(res))
         assert res.rounds_done == 6, seed
         kinds |= {f.kind for f in res.faults if f.fired_at >= 0}
     assert "relay_kill" in kinds
@@ -88,15 +76,47 @@ def test_relay_seeds_run_clean():
 def test_async_seeds_run_clean():
     for seed in range(20):
         res = run(seed, mode="async")
-        assert not unexplained(res.violations), (seed, [str(v) for v in res.violations])
+        assert not res.violations, (seed, problems(res))
         assert res.rounds_done == 6, seed
 
 
-@pytest.mark.xfail(strict=True, reason="open: a node that misses the run's shutdown waits "
-                   "for ever (docs/RELIABILITY.md, Simulation, finding 2)")
-@pytest.mark.parametrize("seed", [116, 270])
-def test_nodes_that_miss_the_shutdown_still_end(seed):
-    assert not run(seed).violations
+# A node that misses the run's shutdown learns the run ended and exits, whichever way it
+# missed it (docs/RELIABILITY.md, Simulation, finding 2: each seed below hung before).
+
+
+@pytest.mark.parametrize("seed", [293, 116, 127])
+def test_a_node_back_after_the_end_is_told_the_run_ended(seed):
+    """It registers after the shutdown, never configured in its life: restarted past the
+    end, with its clients' states on disk (293) or before it wrote one (116: its node's
+    mark), or cut off before its config ever came (127: the same process, known to the
+    broker from the run). The broker sends it the ended run's shutdown."""
+    res, world = run_world(seed)
+    assert not res.violations, problems(res)
+    told = [n for n, node in world.nodes.items()
+            if world.exited.get(n) == 0 and not node.node.run_id]
+    assert told, world.exits
+    assert world.brokers["broker"].n_ended_sent >= len(told)
+
+
+@pytest.mark.parametrize("seed", [272, 270, 217])
+def test_a_server_that_ends_with_the_broker_down_still_delivers_its_shutdown(seed):
+    """The broker is down as the last round closes: the server keeps its connection,
+    reconnects to the restarted broker and resends the shutdown before it exits."""
+    res, world = run_world(seed)
+    assert not res.violations, problems(res)
+    assert world.broker_down_at_end
+    assert all(world.exited.get(n) == 0 for n in world.nodes)
+
+
+@pytest.mark.parametrize("seed", [48, 57, 76, 97])
+def test_a_node_below_a_relay_that_missed_the_shutdown_is_told_by_its_site_broker(seed):
+    """The relay passed the shutdown down and left while a node of its site was away; the
+    site's broker kept it under the run its header names and sends it as the node comes
+    back."""
+    res, world = run_world(seed, relays=1)
+    assert not res.violations, problems(res)
+    assert world.brokers["site0"].n_ended_sent >= 1
+    assert world.exits.index("r0") < max(world.exits.index(n) for n in world.nodes)
 
 
 def test_same_seed_same_trace_other_seed_other_trace():
@@ -145,7 +165,7 @@ def test_duplicates_past_the_runtime_still_aggregate_once():
     with planted("dedup-off"):
         for seed in range(12):
             res = run(seed)
-            assert not unexplained(res.violations), (seed, [str(v) for v in res.violations])
+            assert not res.violations, (seed, problems(res))
             dups += res.duplicated
     assert dups > 0
 
