@@ -21,6 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("replay_cmd", "re-run a run's server (or one client) from its message log"),
     "log": ("log_cmd", "print a run's message timeline"),
     "plot": ("plot_cmd", "plot one or more runs"),
+    "timeline": ("timeline_cmd", "every client's tasks on a time axis, coloured by fate "
+                                 "(PNG and HTML), from a run's message log"),
     "sweep": ("sweep_cmd", "run a grid of configs x seeds, several at a time, resumable"),
     "table": ("table_cmd", "one table across runs: mean, std and paired differences by group"),
     "bench": ("bench_cmd", "benchmarks: {names}"),
