@@ -30,6 +30,7 @@ import torch
 from fedbus.broker.wire import (DEFAULT_MAX_FRAME, Message, WireError, decode, decode_body,
                                 encode_body)
 from fedbus.node.privacy.budget import run_noise_seed, uses_secret_server_noise
+from fedbus.node.privacy.secure_round import run_graph_key
 from fedbus.node.config import Config, build_config
 from fedbus.node.engine import Engine, Out, Refusal, client_address, count_params
 from fedbus.record.msglog import LogCorrupt, Record, read_log
@@ -182,6 +183,8 @@ def replay_server(run_dir: str | Path, *, until_round: int | None = None) -> Rep
     secret_noise = uses_secret_server_noise(cfg.privacy)
     if secret_noise:
         engine.noise_seed = run_noise_seed(run_dir, create=False)
+    if cfg.privacy.secure_aggregation:
+        engine.secagg_key = run_graph_key(run_dir, create=False)
     max_frame = max(int(cfg.bus.max_frame_mb) << 20, DEFAULT_MAX_FRAME)
     records = list(read_log(run_dir))
     pending: list[Out] = []
@@ -220,9 +223,9 @@ def replay_server(run_dir: str | Path, *, until_round: int | None = None) -> Rep
         elif rec.direction == "tick":
             pending = engine.on_tick(rec.time)
         elif rec.direction == "resume":
-            seed = engine.noise_seed
+            seed, key = engine.noise_seed, engine.secagg_key
             engine = build_engine(cfg, run_id)
-            engine.noise_seed = seed
+            engine.noise_seed, engine.secagg_key = seed, key
             engine.load_state_dict(decode_body(rec.frames[1],
                                                max_frame=max(len(rec.frames[1]), 1)))
             pending = engine.on_resumed(rec.time)

@@ -309,6 +309,10 @@ class Engine:
         # knows), unless the shell sets the run's secret one (privacy.dp_noise = "secret":
         # fedbus.node.privacy.budget.run_noise_seed)
         self.noise_seed = int(self.fed.seed)
+        # The key of the secure-aggregation neighbour graphs, the server's secret, which the
+        # shell reads from RUN/secagg_key (fedbus.node.privacy.secure_round.run_graph_key);
+        # None draws each round's graph from fresh randomness (nothing to replay it from)
+        self.secagg_key: bytes | None = None
         # Client-level DP's cohorts: each live client independently with probability
         # federation.fraction (Poisson, what the accountant assumes), drawn from noise_seed
         # (the server's secret under dp_noise = "secret", so no client can tell who took
@@ -1070,11 +1074,11 @@ class Engine:
     def _secure_round(self, sampled: list[int], now: float) -> Any:
         from fedbus.node.privacy.secure_round import SecureRound, spec_length
 
-        seed = int(np.random.SeedSequence([self.fed.seed, 0x5ECA6, self.version])
-                   .generate_state(1)[0])
+        # the graph's randomness is the server's secret (the shell sets secagg_key), never
+        # the run's seed, which every node knows
         return SecureRound(run_id=self.run_id, round_=self.version, sampled=sampled,
                            privacy=self.cfg.privacy, length=spec_length(self.secure_spec()),
-                           seed=seed, now=now)
+                           graph_key=self.secagg_key, now=now)
 
     def is_expected_secagg(self, src: str, body: dict[str, Any]) -> str | None:
         """Why a client's secure-aggregation step must be refused, or None: it answers its

@@ -18,6 +18,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from fedbus.algorithms import get_algorithm
@@ -30,7 +31,7 @@ from fedbus.node.config import Config, ConfigError
 from fedbus.node.engine import (SERVER, Engine, Out, Refusal, client_address, client_index,
                                 count_params)
 from fedbus.node.privacy.budget import run_noise_seed, uses_secret_server_noise
-from fedbus.node.privacy.secure_round import privacy_refusal
+from fedbus.node.privacy.secure_round import privacy_refusal, run_graph_key
 from fedbus.node.setup import (arch_builder, check_models, distinct_archs, federated_data,
                                make_model, pooled_train)
 from fedbus.node.validate import Rejected, check_eval_result, check_merged, check_update
@@ -66,9 +67,12 @@ def build_engine(cfg: Config, run_id: str) -> Engine:
     engine = Engine(cfg, build_handler(cfg), run_id, train_sizes=sizes)
     engine.label_pixels = data.label_pixels
     engine.test_sizes = {i: len(data.parts[i].test) for i in range(n)}
-    # per-class bounds; segmentation counts pixels, and record-level DP sends noisy class
-    # presence (a class the client lacks may show, fedbus.node.privacy.dp): the total bounds only
-    if data.label_pixels == 1 and cfg.privacy.dp != "record":
+    # per-class bounds; segmentation counts pixels: the total bounds only. Record-level DP
+    # sends noisy class presence (a class the client lacks may show, fedbus.node.privacy.dp):
+    # a flag of 1 each, which bounds a relay's or a secure round's summed mass by its members
+    if cfg.privacy.dp == "record":
+        engine.class_samples = {i: np.ones(data.num_classes, np.int64) for i in range(n)}
+    elif data.label_pixels == 1:
         per_class = data.class_counts("train")
         engine.class_samples = {i: per_class[i] for i in range(n)}
     return engine
@@ -124,7 +128,8 @@ def _judge(engine: Engine, msg: Message) -> Refusal | None:
                          class_samples=engine.class_max(client),
                          max_bytes=int(engine.cfg.bus.max_frame_mb) << 20,
                          nbytes=msg.nbytes, label_pixels=engine.label_pixels,
-                         norms=engine.norms, count_epochs=engine.count_epochs)
+                         norms=engine.norms, count_epochs=engine.count_epochs,
+                         presence=engine.cfg.privacy.dp == "record")
         except Rejected as err:  # the client's answer to a live task: that task is over
             return refuse(str(err), task=body["task"])
         return None
@@ -384,6 +389,8 @@ class ServerNode:
         self.engine = build_engine(cfg, self.run_id)
         if uses_secret_server_noise(cfg.privacy):
             self.engine.noise_seed = run_noise_seed(self.run.path, create=True)
+        if cfg.privacy.secure_aggregation:
+            self.engine.secagg_key = run_graph_key(self.run.path, create=True)
         self.started = time.time()
         self.msglog: MessageLogWriter | None = None
         self._status_at = 0.0

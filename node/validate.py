@@ -67,15 +67,20 @@ class ClientBounds:
     `samples` its training-set size, `classes` its samples per class (None: unknown, the
     total bounds each class), `units` labelled units a sample (H * W for segmentation),
     `epochs` the passes its counts may cover (ServerHandler.count_epochs: the server's own
-    config, never the update's work report)."""
+    config, never the update's work report), `presence` whether its counts are presence
+    flags (privacy.dp = "record": a count above 1 would weigh the client's prototype as
+    that many honest clients')."""
 
     samples: int
     classes: np.ndarray | None = None
     units: int = 1
     epochs: int = 1
+    presence: bool = False  # counts are presence flags (record-level DP): each 0 or 1
 
     def class_max(self, num_classes: int) -> np.ndarray:
         """int64 [C]: the most a count of each class can be."""
+        if self.presence:
+            return np.ones(num_classes, np.int64)
         k = max(1, int(self.epochs))
         if self.classes is not None and self.units == 1 and len(self.classes) == num_classes:
             return np.asarray(self.classes, dtype=np.int64) * k
@@ -87,6 +92,14 @@ class ClientBounds:
 
 
 DEFAULT_PROTO_NORM = 1e4  # features of the zoo's networks are 1-100 long
+# Under secure aggregation the server sees only the round's sum, so its one check on a
+# client's prototypes is on that sum: |sum_k| <= mass_k x the bound. A client can move
+# class k's global prototype by at most (its mass / the round's mass of k) x (bound +
+# the honest prototype's norm), whatever it sends; with DEFAULT_PROTO_NORM that is a
+# shift of thousands against honest norms of ~5. Honest clients clip to this instead
+# (fedbus.node.privacy.secure_round.SecureClient), where nothing else bounds them: the
+# upper end of the zoo's feature norms, so honest prototypes are not cut.
+SECURE_PROTO_CLIP = 100.0
 
 
 def proto_bound(max_proto_norm: float, clip_norm: float, noise_sigma: float, dim: int) -> float:
@@ -101,13 +114,38 @@ def proto_bound(max_proto_norm: float, clip_norm: float, noise_sigma: float, dim
     return DEFAULT_PROTO_NORM
 
 
+def secure_proto_clip(privacy: Mapping[str, Any]) -> float:
+    """What each client clips its prototype rows to before masking under secure
+    aggregation: SECURE_PROTO_CLIP, or 0 (no clipping) where privacy.clip_norm or
+    record-level DP bounds them already, or secure aggregation is off."""
+    if not privacy.get("secure_aggregation", False) or \
+            float(privacy.get("clip_norm", 0.0)) > 0 or privacy.get("dp", "off") == "record":
+        return 0.0
+    return SECURE_PROTO_CLIP
+
+
 def run_norms(security: Mapping[str, Any], privacy: Mapping[str, Any], dim: int) -> Norms:
     """The norm bounds of a run's [security] and [privacy] sections for features of `dim`
-    (the server's and a relay's alike)."""
-    return Norms(proto=proto_bound(float(security.get("max_proto_norm", 0.0)),
-                                   float(privacy.get("clip_norm", 0.0)),
-                                   float(privacy.get("noise_sigma", 0.0)), dim),
-                 update=float(security.get("max_update_norm", 0.0)))
+    (the server's and a relay's alike). Unless max_proto_norm is set, the prototype bound
+    is the clip that honest clients apply: clip_norm plus its noise's allowance; dp_clip
+    under record-level DP (each release is projected onto the ball of radius dp_clip,
+    fedbus.node.privacy.dp); secure_proto_clip under secure aggregation; else
+    DEFAULT_PROTO_NORM. Under client-level DP a delta is clipped to dp_clip (weight 1 in
+    the sum), so the update bound is at most dp_clip."""
+    set_bound = float(security.get("max_proto_norm", 0.0))
+    clip_norm = float(privacy.get("clip_norm", 0.0))
+    proto = proto_bound(set_bound, clip_norm, float(privacy.get("noise_sigma", 0.0)), dim)
+    dp = privacy.get("dp", "off")
+    if set_bound <= 0 and clip_norm <= 0:
+        if dp == "record":
+            proto = float(privacy.get("dp_clip", 1.0))
+        elif secure_proto_clip(privacy) > 0:
+            proto = secure_proto_clip(privacy)
+    update = float(security.get("max_update_norm", 0.0))
+    if dp == "client":
+        update = min(update, float(privacy.get("dp_clip", 1.0))) if update > 0 else \
+            float(privacy.get("dp_clip", 1.0))
+    return Norms(proto=proto, update=update)
 
 
 def _check_number(name: str, value: Any, *, low: float = 0, high: float | None = None) -> None:
@@ -269,6 +307,11 @@ def check_counts(counts: Any, bounds: ClientBounds, num_classes: int,
         raise Rejected(f"{name} must be non-negative")
     units = max(1, int(bounds.units))
     total_max = bounds.total()
+    if bounds.presence:
+        over = next((k for k, n in enumerate(values) if n > 1), None)
+        if over is not None:
+            raise Rejected(f"{name}[{over}] = {values[over]}: under record-level DP "
+                           "(privacy.dp = record) a count is a presence flag, 0 or 1")
     if len(values) == num_classes:
         for k, (n, most) in enumerate(zip(values, bounds.class_max(num_classes).tolist())):
             if n > most:
@@ -294,7 +337,8 @@ def canonical_client(address: Any) -> int:
 def check_update(body: Any, spec: Mapping[str, Any] | None, *,
                  num_classes: int, max_samples: int, max_bytes: int | None = None,
                  nbytes: int = 0, label_pixels: int = 1, class_samples: Any = None,
-                 norms: Norms | None = None, count_epochs: int = 1) -> None:
+                 norms: Norms | None = None, count_epochs: int = 1,
+                 presence: bool = False) -> None:
     """Raise Rejected with the reason if an update body is not acceptable.
 
     max_bytes: the size cap (the bus's max_frame): the message (nbytes, header + body) and
@@ -305,6 +349,7 @@ def check_update(body: Any, spec: Mapping[str, Any] | None, *,
     masks, whose per-class counts count pixels (at feature resolution, at most H * W a
     sample): counts may then sum to max_samples * label_pixels.
     count_epochs: the passes counts may cover (ServerHandler.count_epochs).
+    presence: counts are presence flags (record-level DP), each 0 or 1.
     norms: the server's norm bounds (check_norms); None checks none.
     spec: the declared arrays; None checks none (a relay, which builds no model).
     """
@@ -320,7 +365,8 @@ def check_update(body: Any, spec: Mapping[str, Any] | None, *,
     payload = body["payload"]
     _check_arrays(payload, spec, max_bytes)
     bounds = ClientBounds(int(max_samples), None if class_samples is None else
-                          np.asarray(class_samples), int(label_pixels), int(count_epochs))
+                          np.asarray(class_samples), int(label_pixels), int(count_epochs),
+                          presence=bool(presence))
     check_counts(payload.get("counts"), bounds, num_classes)
     classes = payload.get("classes")
     if isinstance(classes, np.ndarray) and classes.size:

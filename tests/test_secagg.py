@@ -25,6 +25,11 @@ RANGE, FRAC = 8.0, 20
 CTX = b"run-a/round-3/task-0"
 
 
+def key_of(i: int) -> bytes:
+    """A fixed graph key, for tests that need the same graph twice."""
+    return bytes([i % 256]) * 32
+
+
 # --------------------------------------------------------------------------- simulation
 
 
@@ -48,7 +53,7 @@ def run_round(n: int, *, length: int = 40, neighbours: int = 0, dropout: float =
     ids = [100 + 3 * i for i in range(n)]  # ids need not be contiguous
     ring = RingParams.for_cohort(RANGE, FRAC, n)
     server = ServerSession(ids, CTX, neighbours=neighbours, dropout=dropout, ring=ring,
-                           seed=seed)
+                           graph_key=key_of(seed))
     clients = {u: ClientSession(u, CTX) for u in ids}
     for u in ids:
         pk = clients[u].public_keys()
@@ -194,21 +199,21 @@ def test_threshold_and_neighbour_count():
 @pytest.mark.parametrize("n,k", [(30, 16), (50, 14), (31, 7), (12, 4)])
 def test_neighbour_graph_regular_symmetric_deterministic(n, k):
     clients = ids_of(n)
-    g = neighbour_graph(clients, k, seed=5)
+    g = neighbour_graph(clients, k, key_of(5))
     k_even = k + k % 2
     assert sorted(g) == clients
     for u, nb in g.items():
         assert nb == sorted(nb) and u not in nb and len(nb) == k_even
         for v in nb:
             assert u in g[v]
-    assert neighbour_graph(list(reversed(clients)), k, seed=5) == g
-    assert neighbour_graph(clients, k, seed=6) != g
+    assert neighbour_graph(list(reversed(clients)), k, key_of(5)) == g
+    assert neighbour_graph(clients, k, key_of(6)) != g
 
 
 @pytest.mark.parametrize("n,k", [(5, 4), (5, 9), (6, 5), (2, 1), (1, 0)])
 def test_neighbour_graph_complete_for_small_n(n, k):
     clients = ids_of(n)
-    g = neighbour_graph(clients, k, seed=1)
+    g = neighbour_graph(clients, k, key_of(1))
     assert g == {u: [v for v in clients if v != u] for u in clients}
 
 
@@ -277,7 +282,7 @@ def test_masked_input_is_uncorrelated_with_plaintext():
     clients = {u: ClientSession(u, CTX) for u in (1, 2, 3)}
     keys = {u: c.public_keys() for u, c in clients.items()}
     c = clients[1]
-    c.on_peers({v: (keys[v]["c_pk"], keys[v]["s_pk"]) for v in (2, 3)}, 2, ring)
+    c.on_peers({v: (keys[v]["c_pk"], keys[v]["s_pk"]) for v in (1, 2, 3)}, 2, ring)
     x = np.random.default_rng(3).uniform(-RANGE, RANGE, 2000)
     packed, _ = c.mask(x)
     seen = decode(unpack(packed, ring.ring_bits), ring)
@@ -295,7 +300,7 @@ def masked_clients(n: int = 4, ctx_of=None):
     """n clients through mask; -> (server, clients, unmask requests)."""
     ids = ids_of(n)
     ring = RingParams.for_cohort(RANGE, FRAC, n)
-    server = ServerSession(ids, CTX, neighbours=0, dropout=0.3, ring=ring, seed=3)
+    server = ServerSession(ids, CTX, neighbours=0, dropout=0.3, ring=ring, graph_key=key_of(3))
     clients = {u: ClientSession(u, (ctx_of or {}).get(u, CTX)) for u in ids}
     for u, c in clients.items():
         server.add_keys(u, **c.public_keys())
@@ -326,16 +331,18 @@ def test_client_refuses_inconsistent_unmask_requests():
 
 def test_client_refuses_bad_peers():
     ring = RingParams.for_cohort(RANGE, FRAC, 3)
+    me = ClientSession(1, CTX)
     keys = {u: ClientSession(u, CTX).public_keys() for u in (2, 3)}
     peers = {v: (k["c_pk"], k["s_pk"]) for v, k in keys.items()}
+    own = {1: (me.public_keys()["c_pk"], me.public_keys()["s_pk"])}
     with pytest.raises(SecAggError, match="32 bytes"):
-        ClientSession(1, CTX).on_peers({2: (b"x" * 31, peers[2][1])}, 2, ring)
-    with pytest.raises(SecAggError, match="own peers"):
+        me.on_peers({**own, 2: (b"x" * 31, peers[2][1])}, 2, ring)
+    with pytest.raises(SecAggError, match="own keys"):  # not echoed
         ClientSession(2, CTX).on_peers(peers, 2, ring)
     with pytest.raises(SecAggError, match="threshold"):
-        ClientSession(1, CTX).on_peers(peers, 4, ring)
+        me.on_peers({**own, **peers}, 4, ring)
     with pytest.raises(SecAggError, match="threshold"):
-        ClientSession(1, CTX).on_peers(peers, 1, ring)  # t <= holders / 2
+        me.on_peers({**own, **peers}, 1, ring)  # t <= holders / 2
     with pytest.raises(SecAggError, match="before on_peers"):
         ClientSession(1, CTX).mask(np.zeros(3))
 
@@ -372,7 +379,7 @@ def test_wrong_context_fails():
 def test_server_refuses_garbage():
     ids = ids_of(4)
     ring = RingParams.for_cohort(RANGE, FRAC, 4)
-    server = ServerSession(ids, CTX, neighbours=0, dropout=0.3, ring=ring, seed=3)
+    server = ServerSession(ids, CTX, neighbours=0, dropout=0.3, ring=ring, graph_key=key_of(3))
     clients = {u: ClientSession(u, CTX) for u in ids}
     pk = {u: c.public_keys() for u, c in clients.items()}
     good = (pk[ids[0]]["c_pk"], pk[ids[0]]["s_pk"])
@@ -430,31 +437,33 @@ def test_server_refuses_garbage():
 
 @pytest.mark.parametrize("change", [{"cohort": [1, 1]}, {"cohort": []}, {"context": "ctx"},
                                     {"context": b""}, {"neighbours": -1}, {"dropout": 1.0},
-                                    {"seed": -2}, {"ring": "ring"}, {"cohort": list(range(300))}])
+                                    {"graph_key": b"short"}, {"ring": "ring"},
+                                    {"cohort": list(range(300))}])
 def test_server_refuses_bad_setup(change):
     ring = RingParams.for_cohort(RANGE, FRAC, 4)  # holds 255 clients' sums, not 300
     args = {"cohort": [1, 2, 3], "context": CTX, "neighbours": 0, "dropout": 0.3, "ring": ring,
-            "seed": 0, **change}
+            "graph_key": key_of(0), **change}
     with pytest.raises(SecAggError):
         ServerSession(args.pop("cohort"), args.pop("context"), **args)
 
 
 def test_server_refuses_fix_graph_without_keys():
     ring = RingParams.for_cohort(RANGE, FRAC, 4)
-    server = ServerSession([1, 2], CTX, neighbours=0, dropout=0.3, ring=ring, seed=0)
+    server = ServerSession([1, 2], CTX, neighbours=0, dropout=0.3, ring=ring, graph_key=key_of(0))
     with pytest.raises(SecAggError, match="no client sent keys"):
         server.fix_graph()
 
 
-def test_server_graph_is_deterministic_in_seed():
+def test_server_graph_is_deterministic_in_its_key():
     ids = ids_of(25)
     ring = RingParams.for_cohort(RANGE, FRAC, 25)
     keys = {u: ClientSession(u, CTX).public_keys() for u in ids}
     graphs = []
     for order in (ids, list(reversed(ids))):
-        server = ServerSession(ids, CTX, neighbours=6, dropout=0.3, ring=ring, seed=11)
+        server = ServerSession(ids, CTX, neighbours=6, dropout=0.3, ring=ring, graph_key=key_of(11))
         for u in order:
             server.add_keys(u, keys[u]["c_pk"], keys[u]["s_pk"])
         graphs.append({u: sorted(m["peers"]) for u, m in server.fix_graph().items()})
     assert graphs[0] == graphs[1]
-    assert all(len(nb) == 6 for nb in graphs[0].values())
+    # six neighbours, and the client itself (its own keys echoed back)
+    assert all(len(nb) == 7 and u in nb for u, nb in graphs[0].items())

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
@@ -88,6 +89,7 @@ __all__ = [
     "add_packed",
     "decode",
     "encode",
+    "low_order",
     "neighbour_count",
     "neighbour_graph",
     "pack",
@@ -103,6 +105,17 @@ NONCE_BYTES = 12
 # nonce + AES-GCM of (b-share, s-share) + tag
 CIPHERTEXT_BYTES = NONCE_BYTES + 2 * SHARE_BYTES + 16
 RING_BITS = (32, 40, 48, 56, 64)
+GRAPH_KEY_BYTES = 32
+
+# The u-coordinates (mod p, RFC 7748 decoding) of the X25519 points of small order: the
+# shared secret with any of them is all-zero whatever the private key (X25519 clamps
+# scalars to multiples of 8), so a peer advertising one would make every key agreement
+# with it fail, or, where a library let the zero through, a key everyone can compute.
+_P25519 = 2**255 - 19
+_LOW_ORDER_U = frozenset({0, 1, _P25519 - 1} | {
+    int.from_bytes(bytes.fromhex(h), "little") for h in (
+    "e0eb7a7c3b41b8ae1656e3faf19fc46ada098deb9c32b1fd866205165f49b800",
+    "5f9c95bca3508c24b1d0b1559c83ef5b04445cc4581c8e86d8224eddd09f1157")})
 
 # KDF labels. Contexts are appended without a separator, which is unambiguous
 # because no label is a prefix of another.
@@ -112,6 +125,7 @@ _SHARE_KEY_INFO = b"fedbus-secagg share key"
 _PRG_SELF_INFO = b"fedbus-secagg prg self"
 _PRG_PAIR_INFO = b"fedbus-secagg prg pair"
 _SHARE_AAD = b"fedbus-secagg share"
+_GRAPH_INFO = b"fedbus-secagg graph"
 
 
 class SecAggError(Exception):
@@ -138,6 +152,23 @@ def _exchange(private: X25519PrivateKey, public: bytes, peer: int) -> bytes:
         return private.exchange(X25519PublicKey.from_public_bytes(public))
     except ValueError as e:  # a low-order point gives an all-zero secret
         raise SecAggError(f"key agreement with client {peer} failed: {e}") from None
+
+
+def low_order(public: bytes) -> bool:
+    """Whether a 32-byte X25519 public key is a point of small order (any encoding of it:
+    the top bit is ignored and the value taken mod p, as X25519 decodes it)."""
+    u = int.from_bytes(public, "little") & ((1 << 255) - 1)
+    return u % _P25519 in _LOW_ORDER_U
+
+
+def _key_problem(c_pk: bytes, s_pk: bytes) -> str | None:
+    """Why a pair of advertised public keys is unusable, or None."""
+    for name, pk in (("c_pk", c_pk), ("s_pk", s_pk)):
+        if low_order(pk):
+            return f"its {name} is a low-order X25519 point"
+    if c_pk == s_pk:
+        return "its c_pk and s_pk are the same key"
+    return None
 
 
 def _pairwise_seed(s_sk: X25519PrivateKey, s_pk_peer: bytes, peer: int, context: bytes) -> bytes:
@@ -398,20 +429,22 @@ def threshold(holders: int, dropout: float) -> int:
     return min(holders, max(holders // 2 + 1, need))
 
 
-def neighbour_graph(clients: list[int], k: int, seed: int) -> dict[int, list[int]]:
+def neighbour_graph(clients: list[int], k: int, key: bytes) -> dict[int, list[int]]:
     """SecAgg+'s Harary graph H(k, n) over a random relabelling of the clients:
-    each is linked to the k/2 next on either side of a ring permuted by
-    default_rng(seed). An odd k is rounded up to even; complete when k >= n-1."""
+    each is linked to the k/2 next on either side of a ring permuted by a ChaCha20
+    keystream under `key` (32 secret bytes: Bell et al.'s bound on colluding
+    neighbours assumes the graph is drawn independently of the colluders, so no
+    client may be able to compute it). An odd k is rounded up to even; complete
+    when k >= n-1."""
     ids = sorted(_id_list(list(clients), "clients"))
     if not _is_int(k) or k < 0:
         raise SecAggError(f"k must be an int >= 0, got {k!r}")
-    if not _is_int(seed) or seed < 0:
-        raise SecAggError(f"seed must be an int >= 0, got {seed!r}")
+    key = _bytes(key, GRAPH_KEY_BYTES, "graph key")
     n = len(ids)
     k = int(k) + int(k) % 2
     if k >= n - 1:
         return {c: [d for d in ids if d != c] for c in ids}
-    order = [ids[i] for i in np.random.default_rng(int(seed)).permutation(n)]
+    order = [ids[i] for i in _permutation(n, key)]
     graph: dict[int, set[int]] = {c: set() for c in ids}
     for pos, c in enumerate(order):
         for step in range(1, k // 2 + 1):
@@ -419,6 +452,29 @@ def neighbour_graph(clients: list[int], k: int, seed: int) -> dict[int, list[int
             graph[c].add(d)
             graph[d].add(c)
     return {c: sorted(graph[c]) for c in ids}
+
+
+def _permutation(n: int, key: bytes) -> list[int]:
+    """A uniform permutation of range(n): Fisher-Yates on a ChaCha20 keystream, each index
+    drawn by rejection so that none is favoured by the modulo."""
+    enc = Cipher(algorithms.ChaCha20(_hkdf(key, _GRAPH_INFO), bytes(16)), mode=None).encryptor()
+    words: list[int] = []
+
+    def word() -> int:
+        if not words:
+            words.extend(np.frombuffer(enc.update(bytes(8 * max(64, n))), dtype="<u8").tolist())
+            words.reverse()
+        return words.pop()
+
+    perm = list(range(n))
+    for i in range(n - 1, 0, -1):
+        span = i + 1
+        limit = (1 << 64) - (1 << 64) % span
+        while (r := word()) >= limit:
+            pass
+        j = r % span
+        perm[i], perm[j] = perm[j], perm[i]
+    return perm
 
 
 # --------------------------------------------------------------------------- client
@@ -441,6 +497,7 @@ class ClientSession:
         self._neighbours: list[int] = []
         self._share_keys: dict[int, bytes] = {}
         self._pairwise: dict[int, bytes] = {}
+        self._refused: dict[int, str] = {}
         self._own_b_share = b""
         self._masked_with: list[int] | None = None
         self._unmasked = False
@@ -450,58 +507,119 @@ class ClientSession:
 
     def on_peers(self, peers: dict[int, tuple[bytes, bytes]], t: int,
                  ring: RingParams | Mapping[str, Any]) -> dict[int, bytes]:
-        """peers: neighbour -> (c_pk, s_pk). Returns neighbour -> share ciphertext."""
+        """peers: its neighbours' and its own id -> (c_pk, s_pk). Returns neighbour -> share
+        ciphertext, for each neighbour it accepts.
+
+        Its own keys must come back unchanged (else the keys it is told of are not the
+        round's, and the round is aborted). A neighbour whose keys are of low order, equal
+        to each other, or equal to any other key listed (its own included) is refused: it
+        gets no shares, and is not masked with (`refused_peers` says why). The round goes
+        on if at least t - 1 neighbours remain, since t holders are needed to remove its
+        self mask; else it is aborted."""
+        me = self.client
         if self._ring is not None:
-            raise SecAggError(f"client {self.client}: peers already set for this round")
+            raise SecAggError(f"client {me}: peers already set for this round")
         ring = ring if isinstance(ring, RingParams) else RingParams.from_dict(ring)
         keys: dict[int, tuple[bytes, bytes]] = {}
         for v, pair in _mapping(peers, "peers").items():
             v = _client_id(v, "peer id")
-            if v == self.client:
-                raise SecAggError(f"client {self.client} is listed among its own peers")
             if not isinstance(pair, (tuple, list)) or len(pair) != 2:
                 raise SecAggError(f"peer {v}: keys must be a pair (c_pk, s_pk)")
             keys[v] = (_bytes(pair[0], KEY_BYTES, f"peer {v} c_pk"),
                        _bytes(pair[1], KEY_BYTES, f"peer {v} s_pk"))
-        holders = _holders(self.client, keys)
+        own = keys.pop(me, None)
+        mine = (_public_bytes(self._c_sk), _public_bytes(self._s_sk))
+        if own is None or tuple(own) != mine:
+            how = "missing" if own is None else "altered"
+            raise SecAggError(f"client {me} aborts its round: the peers step does not echo "
+                              f"its own keys back unchanged ({how})")
+        holders = _holders(me, keys)
         m = len(holders)
         if not _is_int(t) or not m // 2 + 1 <= t <= m:
             # t <= m/2 would let two disjoint sets of holders rebuild both of a client's seeds
-            raise SecAggError(f"client {self.client}: threshold {t!r} outside "
+            raise SecAggError(f"client {me}: threshold {t!r} outside "
                               f"{m // 2 + 1}..{m} for {m} holders")
         t = int(t)
+        seen: dict[bytes, int] = {}
+        for pk in (*mine, *(pk for pair in keys.values() for pk in pair)):
+            seen[pk] = seen.get(pk, 0) + 1
+        refused: dict[int, str] = {}
+        for v, (c_pk, s_pk) in sorted(keys.items()):
+            why = _key_problem(c_pk, s_pk)
+            if why is None and (c_pk in mine or s_pk in mine):
+                why = "it advertises a key of this client's"
+            if why is None and (seen[c_pk] > 1 or seen[s_pk] > 1):
+                why = "another peer advertises the same key"
+            if why is not None:
+                refused[v] = why
+        share_keys: dict[int, bytes] = {}
+        pairwise: dict[int, bytes] = {}
+        for v, (c_pk, s_pk) in sorted(keys.items()):
+            if v in refused:
+                continue
+            try:
+                share_keys[v] = _hkdf(_exchange(self._c_sk, c_pk, v),
+                                      _SHARE_KEY_INFO + self.context)
+                pairwise[v] = _pairwise_seed(self._s_sk, s_pk, v, self.context)
+            except SecAggError as err:
+                refused[v] = str(err)
+                share_keys.pop(v, None)
+        if len(share_keys) < t - 1:
+            raise SecAggError(f"client {me} aborts its round: {len(share_keys)} acceptable "
+                              f"neighbours, fewer than t-1={t - 1} (refused: "
+                              f"{', '.join(f'{v}: {w}' for v, w in sorted(refused.items()))})")
+        # shares are indexed by the holder's place among all of them, refused ones included,
+        # so that the server's indices do not depend on who refused whom
         b_shares = dict(zip(holders, (s for _, s in Shamir.split(t, m, self._b_seed))))
         s_shares = dict(zip(holders, (s for _, s in Shamir.split(t, m, self._s_seed))))
         out: dict[int, bytes] = {}
-        for v, (c_pk, s_pk) in sorted(keys.items()):
-            share_key = _hkdf(_exchange(self._c_sk, c_pk, v), _SHARE_KEY_INFO + self.context)
-            self._share_keys[v] = share_key
-            self._pairwise[v] = _pairwise_seed(self._s_sk, s_pk, v, self.context)
+        for v in sorted(share_keys):
             nonce = os.urandom(NONCE_BYTES)
-            out[v] = nonce + AESGCM(share_key).encrypt(
-                nonce, b_shares[v] + s_shares[v], _share_aad(self.client, v, self.context))
-        self._own_b_share = b_shares[self.client]
-        self._t, self._holders, self._neighbours = t, holders, sorted(keys)
+            out[v] = nonce + AESGCM(share_keys[v]).encrypt(
+                nonce, b_shares[v] + s_shares[v], _share_aad(me, v, self.context))
+        self._share_keys, self._pairwise, self._refused = share_keys, pairwise, refused
+        self._own_b_share = b_shares[me]
+        self._t, self._holders, self._neighbours = t, holders, sorted(share_keys)
         self._ring = ring
         return out
+
+    def refused_peers(self) -> dict[int, str]:
+        """The neighbours on_peers refused, and why."""
+        return dict(self._refused)
+
+    def check_share_senders(self, share_senders: Iterable[int]) -> list[int]:
+        """The neighbours to mask with, from the server's list of those that sent shares;
+        SecAggError (the round is aborted) if it names a neighbour this client refused or
+        does not have, or fewer than t - 1 of them (Bonawitz et al.'s check on U2: masked
+        with too few pairwise masks, its input would be x + PRG(b) alone, and the server
+        could then ask its holders for b's shares)."""
+        me = self.client
+        if self._ring is None:
+            raise SecAggError(f"client {me}: share senders before on_peers")
+        peers = sorted(set(_id_list(list(share_senders), "share_senders")) - {me})
+        stray = sorted(set(peers) - set(self._neighbours))
+        if stray:
+            raise SecAggError(f"client {me} aborts its round: share senders {stray} are not "
+                              f"neighbours it shared with")
+        if len(peers) < self._t - 1:
+            raise SecAggError(f"client {me} aborts its round: {len(peers)} neighbours sent "
+                              f"shares, fewer than t-1={self._t - 1}: masked now, its input "
+                              f"could be unmasked alone")
+        return peers
 
     def mask(self, values: np.ndarray,
              share_senders: Iterable[int] | None = None) -> tuple[np.ndarray, int]:
         """float64 [L] -> (packed uint8 [L, ring_bits // 8], clipped count); once, after
-        on_peers. share_senders: the neighbours that sent shares (ServerSession.close_shares);
-        None masks with every neighbour, which the server can only undo if all of them did."""
+        on_peers. share_senders: the neighbours that sent shares (ServerSession.close_shares;
+        checked by check_share_senders); None masks with every neighbour it accepted, which
+        the server can only undo if all of them sent shares."""
         if self._ring is None:
             raise SecAggError(f"client {self.client}: mask before on_peers")
         if self._masked_with is not None:
             # two masked vectors under the same masks would reveal their difference
             raise SecAggError(f"client {self.client}: already masked an input this round")
-        if share_senders is None:
-            peers = list(self._neighbours)
-        else:
-            peers = sorted(set(_id_list(list(share_senders), "share_senders")) - {self.client})
-            stray = sorted(set(peers) - set(self._neighbours))
-            if stray:
-                raise SecAggError(f"client {self.client}: share senders {stray} are not neighbours")
+        peers = list(self._neighbours) if share_senders is None else \
+            self.check_share_senders(share_senders)
         ring = self._ring
         y, clipped = encode(values, ring)
         n = len(y)
@@ -569,13 +687,17 @@ class ClientSession:
 
 class ServerSession:
     """The server's side of one round; deterministic given its inputs (a replay of
-    the message log redoes it exactly): no randomness except from `seed`.
+    the message log redoes it exactly, given the same `graph_key`).
 
     Phases: add_keys* -> fix_graph -> add_shares* -> [close_shares] -> add_input* ->
-    unmask_requests -> add_reveal* -> unmask. Each add_* refuses once its phase is over."""
+    unmask_requests -> add_reveal* -> unmask. Each add_* refuses once its phase is over.
+
+    A pair of clients u, v is linked for the round (each masks with the other, each holds
+    the other's shares) when the graph joins them and each sent the other a share: a client
+    may refuse a neighbour whose keys it cannot use (ClientSession.on_peers)."""
 
     def __init__(self, cohort: list[int], context: bytes, *, neighbours: int, dropout: float,
-                 ring: RingParams, seed: int):
+                 ring: RingParams, graph_key: bytes | None = None):
         self.cohort = sorted(_id_list(cohort, "cohort"))
         if not self.cohort:
             raise SecAggError("cohort is empty")
@@ -588,15 +710,19 @@ class ServerSession:
         if ring.max_clients() < len(self.cohort):
             raise SecAggError(f"a {ring.ring_bits}-bit ring holds the sum of "
                               f"{ring.max_clients()} clients, not {len(self.cohort)}")
-        if not _is_int(seed) or seed < 0:
-            raise SecAggError(f"seed must be an int >= 0, got {seed!r}")
+        # the server's own secret (None: fresh); per round, the context keys a new graph
+        self.graph_key = secrets.token_bytes(GRAPH_KEY_BYTES) if graph_key is None else \
+            _bytes(graph_key, GRAPH_KEY_BYTES, "graph_key")
         self.neighbours_asked, self.dropout = int(neighbours), float(dropout)
-        self.ring, self.seed = ring, int(seed)
+        self.ring = ring
         self._cohort_set = set(self.cohort)
         self._keys: dict[int, tuple[bytes, bytes]] = {}
+        self._key_owner: dict[bytes, int] = {}
         self._graph: dict[int, list[int]] | None = None
         self._t = 0
         self._shares: dict[int, dict[int, bytes]] = {}
+        self._linked: dict[int, list[int]] | None = None  # fixed when masking starts
+        self._excluded: list[int] = []  # share senders left with too few links
         self._shares_closed = False
         self._told = False  # whether clients were given the share senders to mask with
         self._sum: np.ndarray | None = None
@@ -606,40 +732,58 @@ class ServerSession:
         self._needed: list[int] = []  # dropped clients with a surviving neighbour
         self._reveals: dict[int, tuple[dict[int, bytes], dict[int, bytes]]] = {}
         self._result: np.ndarray | None = None
+        self.blamed: dict[int, str] = {}  # holders whose revealed shares were wrong
 
     # ---- phase 1: keys
 
     def add_keys(self, client: int, c_pk: bytes, s_pk: bytes) -> None:
+        """A client's public keys. Keys of low order, a client's two keys alike, or a key
+        another client sent already are refused, blaming this sender: no honest client
+        draws such keys, and in the graph they would fail every neighbour's key agreement
+        (or hand a copier's peers shares it could not read)."""
         if self._graph is not None:
             raise SecAggError("keys arrive after the graph was fixed")
         u = self._member(client)
         if u in self._keys:
             raise SecAggError(f"client {u} sent keys twice")
-        self._keys[u] = (_bytes(c_pk, KEY_BYTES, f"client {u} c_pk"),
-                         _bytes(s_pk, KEY_BYTES, f"client {u} s_pk"))
+        pair = (_bytes(c_pk, KEY_BYTES, f"client {u} c_pk"),
+                _bytes(s_pk, KEY_BYTES, f"client {u} s_pk"))
+        why = _key_problem(*pair)
+        if why is None:
+            copied = [self._key_owner[pk] for pk in pair if pk in self._key_owner]
+            if copied:
+                why = f"it repeats a key client {copied[0]} sent"
+        if why is not None:
+            raise SecAggError(f"client {u}'s keys are refused: {why}")
+        self._keys[u] = pair
+        for pk in pair:
+            self._key_owner[pk] = u
 
     def key_senders(self) -> list[int]:
         return sorted(self._keys)
 
     def fix_graph(self) -> dict[int, dict]:
-        """Links the key senders; -> per client {"peers": {v: [c_pk, s_pk]}, "t", "ring"}."""
+        """Links the key senders; -> per client {"peers": {v: [c_pk, s_pk]} (its neighbours
+        and itself: a client checks that its own keys come back unchanged), "t", "ring"}."""
         if self._graph is not None:
             raise SecAggError("the graph is already fixed")
         senders = self.key_senders()
         if not senders:
             raise SecAggError("no client sent keys")
         k = neighbour_count(len(senders), self.neighbours_asked)
-        graph = neighbour_graph(senders, k, self.seed)
+        graph = neighbour_graph(senders, k, _hkdf(self.graph_key, _GRAPH_INFO + self.context))
         # the graph is regular (even-k Harary or complete), so every client has m holders
         self._t = threshold(len(graph[senders[0]]) + 1, self.dropout)
         self._graph = graph
         ring = self.ring.to_dict()
-        return {u: {"peers": {v: list(self._keys[v]) for v in graph[u]}, "t": self._t,
-                    "ring": dict(ring)} for u in senders}
+        return {u: {"peers": {v: list(self._keys[v]) for v in sorted([*graph[u], u])},
+                    "t": self._t, "ring": dict(ring)} for u in senders}
 
     # ---- phase 2: shares
 
     def add_shares(self, client: int, ciphertexts: dict[int, bytes]) -> None:
+        """A client's shares, one ciphertext per neighbour it accepts: at least t - 1 of
+        them, else its self mask could not be removed."""
         graph = self._need_graph()
         if self._shares_closed:
             raise SecAggError("shares arrive after the share phase closed")
@@ -652,23 +796,33 @@ class ServerSession:
         for v, ct in _mapping(ciphertexts, "ciphertexts").items():
             v = _client_id(v, "share recipient")
             cts[v] = _bytes(ct, CIPHERTEXT_BYTES, f"client {u}'s ciphertext for {v}")
-        if sorted(cts) != graph[u]:
-            raise SecAggError(f"client {u} must send shares to exactly its neighbours "
-                              f"{graph[u]}, got {sorted(cts)}")
+        stray = sorted(set(cts) - set(graph[u]))
+        if stray or len(cts) < self._t - 1:
+            raise SecAggError(f"client {u} must send shares to at least t-1={self._t - 1} of "
+                              f"its neighbours {graph[u]} and no one else, got {sorted(cts)}")
         self._shares[u] = cts
 
     def share_senders(self) -> list[int]:
         return sorted(self._shares)
 
     def close_shares(self) -> dict[int, list[int]]:
-        """Ends the share phase; -> per share sender its neighbours that sent shares, to hand
-        to ClientSession.mask(values, share_senders) so that a client that sent keys but no
-        shares cannot spoil the round. Optional when every key sender sent shares."""
-        graph = self._need_graph()
+        """Ends the share phase; -> per share sender the neighbours it is linked with (both
+        sent each other shares), to hand to ClientSession.mask(values, share_senders), so
+        that a client that sent keys but no shares, or that a neighbour refused, cannot
+        spoil the round. A sender left with fewer than t - 1 links (its self mask could not
+        be removed) is excluded, its links dropped, until every sender left has enough; it
+        is sent an empty list, which it refuses. Optional when every key sender sent shares
+        to all its neighbours."""
+        self._need_graph()
         if self._shares_closed:
             raise SecAggError("the share phase is already closed")
         self._shares_closed = self._told = True
-        return {u: [v for v in graph[u] if v in self._shares] for u in self.share_senders()}
+        linked = self._links()
+        return {u: list(linked.get(u, [])) for u in self.share_senders()}
+
+    def excluded(self) -> list[int]:
+        """Share senders close_shares left out for lack of links."""
+        return list(self._excluded)
 
     # ---- phase 3: masked inputs
 
@@ -683,6 +837,8 @@ class ServerSession:
         for u in ids:
             if u not in self._shares:
                 raise SecAggError(f"input from client {u}, which sent no shares")
+            if u in self._excluded:
+                raise SecAggError(f"input from client {u}, excluded at masking")
             if u in self._inputs:
                 raise SecAggError(f"client {u} is in two inputs")
         vec = unpack(packed, self.ring.ring_bits)
@@ -708,33 +864,37 @@ class ServerSession:
             raise SecAggError("the survivors are already fixed")
         if not self._inputs:
             raise SecAggError("no masked input arrived")
+        linked = self._links()
         alive = set(self._inputs)
-        dropped = sorted(set(self._shares) - alive)
+        dropped = sorted(set(linked) - alive)
+        unlinked = sorted(alive - set(linked))
+        if unlinked:
+            raise SecAggError(f"clients {unlinked} masked inputs but are linked to fewer "
+                              f"than t-1={self._t - 1} neighbours")
         if not self._told:
-            silent = {w for w in graph if w not in self._shares}
             for u in sorted(alive):
-                lost = sorted(silent.intersection(graph[u]))
+                lost = sorted(set(graph[u]) - set(linked[u]))
                 if lost:
                     raise SecAggError(
                         f"client {u} masked with neighbours {lost} that sent no shares, so "
                         f"their pairwise masks cannot be removed (use close_shares)")
         for u in sorted(alive):
-            have = len(alive.intersection(_holders(u, graph[u])))
+            have = len(alive.intersection([u, *linked[u]]))
             if have < self._t:
                 raise SecAggError(f"survivor {u} has {have} surviving holders, fewer than "
                                   f"t={self._t}: its self mask cannot be removed")
         # a dropped client whose neighbours all dropped left no term in the sum
-        needed = [w for w in dropped if alive.intersection(graph[w])]
+        needed = [w for w in dropped if alive.intersection(linked[w])]
         for w in needed:
-            have = len(alive.intersection(graph[w]))
+            have = len(alive.intersection(linked[w]))
             if have < self._t:
                 raise SecAggError(f"dropped client {w} has {have} surviving holders, fewer "
                                   f"than t={self._t}: its pairwise masks cannot be removed")
         self._survivors, self._dropped, self._needed = sorted(alive), dropped, needed
         out: dict[int, dict] = {}
         for u in self._survivors:
-            peers = [v for v in graph[u] if v in self._shares]
-            out[u] = {"survivors": [v for v in _holders(u, graph[u]) if v in alive],
+            peers = linked[u]
+            out[u] = {"survivors": [v for v in sorted([u, *peers]) if v in alive],
                       "dropped": [v for v in peers if v not in alive],
                       "ciphertexts": {v: self._shares[v][u] for v in peers}}
         return out
@@ -744,13 +904,13 @@ class ServerSession:
             raise SecAggError("a reveal arrives before the survivors were fixed")
         if self._result is not None:
             raise SecAggError("a reveal arrives after the sum was unmasked")
-        graph = self._need_graph()
+        linked = self._links()
         u = self._member(client)
         if u not in self._inputs:
             raise SecAggError(f"client {u} is not a survivor")
         if u in self._reveals:
             raise SecAggError(f"client {u} revealed twice")
-        holds = set(_holders(u, graph[u]))
+        holds = {u, *linked[u]}
         alive, gone = set(self._survivors), set(self._dropped)
         self._reveals[u] = (_revealed(u, b, "b", holds & alive, "a surviving"),
                             _revealed(u, s, "s", holds & gone, "a dropped"))
@@ -767,37 +927,30 @@ class ServerSession:
         return out
 
     def unmask(self) -> np.ndarray:
-        """float64 [L]: the sum of the survivors' inputs."""
+        """float64 [L]: the sum of the survivors' inputs.
+
+        Each secret is rebuilt from its t lowest-numbered shares, and the unmasked sum must
+        lie within what the inputs can add up to (survivors x the ring's range a value):
+        a wrong share gives a wrong seed, whose mask leaves values spread over the whole
+        ring. If it does not, every secret with more than t shares is checked for
+        consistency (each share beyond t must lie on the polynomial of the first t), and a
+        holder whose removal leaves every secret consistent and the sum within bounds is
+        blamed (`blamed`), its shares are left out and the sum is rebuilt without them. A
+        sum out of bounds with consistent shares (a malformed masked input) or whose liar
+        cannot be singled out fails (SecAggError), unmasking nothing."""
         if self._result is not None:
             return self._result.copy()
         short = self.missing()
         if short:
             raise SecAggError(f"cannot unmask: {'; '.join(short)}")
-        graph = self._need_graph()
         assert self._sum is not None and self._survivors is not None
-        bits, n = self.ring.ring_bits, len(self._sum)
-        # rebuild every secret before touching the sum, so a failure unmasks nothing
-        b_seeds = {u: self._combine(shares)
-                   for u, shares in self._collect("b", self._survivors).items()}
-        s_keys: dict[int, X25519PrivateKey] = {}
-        for w, shares in self._collect("s", self._needed).items():
-            key = _s_private_key(self._combine(shares))
-            if _public_bytes(key) != self._keys[w][1]:
-                raise SecAggError(f"the s-shares of dropped client {w} rebuild a key that "
-                                  f"does not match its public key")
-            s_keys[w] = key
-        total = self._sum.copy()
-        for u in self._survivors:
-            _add_signed(total, _prg(b_seeds[u], _PRG_SELF_INFO + self.context, n, bits), -1)
-        alive = set(self._survivors)
-        for w, key in s_keys.items():
-            for v in graph[w]:
-                if v in alive:
-                    seed = _pairwise_seed(key, self._keys[v][1], v, self.context)
-                    term = _prg(seed, _PRG_PAIR_INFO + self.context, n, bits)
-                    # v added sign(v, w) * PRG(s_vw); take it off
-                    _add_signed(total, term, -_sign(v, w))
-        self._result = decode(_reduce(total, bits), self.ring)
+        try:
+            total = self._unmasked(set())
+        except SecAggError:
+            total = None
+        if total is None or not self._within_bounds(total):
+            total = self._unmask_blaming()
+        self._result = decode(total, self.ring)
         return self._result.copy()
 
     def stats(self) -> dict:
@@ -806,7 +959,8 @@ class ServerSession:
                 "inputs": len(self._inputs), "dropped": len(self._dropped),
                 "reveals": len(self._reveals), "t": self._t or None, "neighbours": k,
                 "ring_bits": self.ring.ring_bits, "frac_bits": self.ring.frac_bits,
-                "quant_bound": quantisation_bound(self.ring, len(self._inputs))}
+                "quant_bound": quantisation_bound(self.ring, len(self._inputs)),
+                "excluded": len(self._excluded), "blamed": dict(self.blamed)}
 
     # ---- internals
 
@@ -821,15 +975,37 @@ class ServerSession:
             raise SecAggError("the graph is not fixed yet (fix_graph)")
         return self._graph
 
-    def _collect(self, kind: str, owners: Iterable[int]) -> dict[int, list[tuple[int, bytes]]]:
-        """owner -> [(Shamir index, share)] revealed so far, by index."""
+    def _links(self) -> dict[int, list[int]]:
+        """Share sender -> the neighbours it is linked with (each sent the other shares),
+        senders with fewer than t - 1 links excluded one by one; fixed on first use (the
+        share phase is then over)."""
+        if self._linked is not None:
+            return self._linked
+        graph = self._need_graph()
+        linked = {u: {v for v in graph[u] if v in self._shares and u in self._shares[v]
+                      and v in self._shares[u]} for u in self._shares}
+        excluded: list[int] = []
+        while short := sorted(u for u, vs in linked.items() if len(vs) < self._t - 1):
+            u = short[0]
+            excluded.append(u)
+            for v in linked.pop(u):
+                linked[v].discard(u)
+        self._excluded = excluded
+        self._linked = {u: sorted(vs) for u, vs in linked.items()}
+        return self._linked
+
+    def _collect(self, kind: str, owners: Iterable[int], without: set[int] = frozenset()
+                 ) -> dict[int, list[tuple[int, bytes]]]:
+        """owner -> [(Shamir index, share)] revealed so far, by index, leaving out the
+        shares of the holders in `without`. The index is the holder's place among all the
+        owner's graph holders, as the owner split its secret."""
         graph = self._need_graph()
         slot = 0 if kind == "b" else 1
         out: dict[int, list[tuple[int, bytes]]] = {}
         for w in owners:
             holders = _holders(w, graph[w])
             out[w] = [(i + 1, self._reveals[h][slot][w]) for i, h in enumerate(holders)
-                      if h in self._reveals and w in self._reveals[h][slot]]
+                      if h in self._reveals and h not in without and w in self._reveals[h][slot]]
         return out
 
     def _combine(self, shares: list[tuple[int, bytes]]) -> bytes:
@@ -838,3 +1014,87 @@ class ServerSession:
             return Shamir.combine(shares[: self._t])
         except ValueError as e:
             raise SecAggError(f"Shamir reconstruction failed: {e}") from None
+
+    def _consistent(self, shares: list[tuple[int, bytes]]) -> bool:
+        """Whether every share beyond the first t lies on the polynomial through them (the
+        value at x of the polynomial through (x_i, y_i) is that at 0 of the one through
+        (x_i + x, y_i), addition in GF(2^128) being XOR)."""
+        base = shares[: self._t]
+        return all(Shamir.combine([(i ^ x, y) for i, y in base]) == share
+                   for x, share in shares[self._t:])
+
+    def _unmasked(self, without: set[int]) -> np.ndarray:
+        """The ring sum with every mask removed, the shares of `without` left out."""
+        self._need_graph()
+        assert self._sum is not None and self._survivors is not None
+        bits, n = self.ring.ring_bits, len(self._sum)
+        # rebuild every secret before touching the sum, so a failure unmasks nothing
+        b_seeds = {u: self._combine(shares)
+                   for u, shares in self._collect("b", self._survivors, without).items()}
+        s_keys: dict[int, X25519PrivateKey] = {}
+        for w, shares in self._collect("s", self._needed, without).items():
+            key = _s_private_key(self._combine(shares))
+            if _public_bytes(key) != self._keys[w][1]:
+                raise SecAggError(f"the s-shares of dropped client {w} rebuild a key that "
+                                  f"does not match its public key")
+            s_keys[w] = key
+        total = self._sum.copy()
+        for u in self._survivors:
+            _add_signed(total, _prg(b_seeds[u], _PRG_SELF_INFO + self.context, n, bits), -1)
+        alive = set(self._survivors)
+        for w, key in s_keys.items():
+            for v in self._links()[w]:
+                if v in alive:
+                    seed = _pairwise_seed(key, self._keys[v][1], v, self.context)
+                    term = _prg(seed, _PRG_PAIR_INFO + self.context, n, bits)
+                    # v added sign(v, w) * PRG(s_vw); take it off
+                    _add_signed(total, term, -_sign(v, w))
+        return _reduce(total, bits)
+
+    def _within_bounds(self, total: np.ndarray) -> bool:
+        """Whether a ring sum decodes to values the inputs can make: each input's values
+        are clipped to the range before rounding, so |sum| <= inputs x ceil(range 2^f)."""
+        top = len(self._inputs) * math.ceil(Fraction(self.ring.range) * 2**self.ring.frac_bits)
+        bits = self.ring.ring_bits
+        half = np.uint64(1 << (bits - 1)) if bits < 64 else np.uint64(1 << 63)
+        v = _reduce(total.copy(), bits)
+        # two's complement magnitude without overflow: |x| = x below half, 2^bits - x above
+        mag = np.where(v < half, v, (np.uint64(0) - v) & np.uint64((1 << bits) - 1)
+                       if bits < 64 else np.uint64(0) - v)
+        return bool(np.all(mag <= np.uint64(top)))
+
+    def _unmask_blaming(self) -> np.ndarray:
+        """The slow path of unmask: find the holder whose shares are wrong."""
+        kinds = (("b", self._survivors), ("s", self._needed))
+        bad = {(kind, w): shares for kind, owners in kinds
+               for w, shares in self._collect(kind, owners).items()
+               if len(shares) > self._t and not self._consistent(shares)}
+        if not bad:
+            raise SecAggError("the unmasked sum is out of bounds and every revealed share is "
+                              "consistent: a masked input is malformed (its sender cannot be "
+                              "told from the sum)")
+        # a liar holds a share of every inconsistent secret
+        graph = self._need_graph()
+        suspects = set(self._reveals)
+        for _, w in bad:
+            suspects &= set(_holders(w, graph[w]))
+        for h in sorted(suspects):
+            without = {h}
+            if any(len(sh) < self._t for kind, owners in kinds
+                   for sh in self._collect(kind, owners, without).values()):
+                continue
+            if not all(self._consistent(sh) for kind, owners in kinds
+                       for sh in self._collect(kind, owners, without).values()
+                       if len(sh) > self._t):
+                continue
+            try:
+                total = self._unmasked(without)
+            except SecAggError:
+                continue
+            if self._within_bounds(total):
+                self.blamed[h] = (f"revealed shares inconsistent with the other holders' of "
+                                  f"{len(bad)} secret(s)")
+                return total
+        raise SecAggError(f"revealed shares of {len(bad)} secret(s) are inconsistent and no "
+                          f"single holder's removal explains it (suspects "
+                          f"{sorted(suspects) or 'none'})")

@@ -41,6 +41,10 @@ from typing import Any
 
 import numpy as np
 
+from fedbus.broker.log import get_logger
+
+log = get_logger("fedbus.secure_round")
+
 #: the steps of kind "secagg" a client sends, and those the server sends
 CLIENT_STEPS = ("keys", "shares", "reveal")
 SERVER_STEPS = ("peers", "masking", "unmask")
@@ -145,14 +149,51 @@ def secagg_refusal(cfg: Any) -> str | None:
     return None
 
 
+GRAPH_KEY_FILE = "secagg_key"
+
+
+def run_graph_key(run_dir: Any, *, create: bool) -> bytes:
+    """The server's secret key of a run's neighbour graphs (privacy.secure_aggregation):
+    32 random bytes from the OS, written once to RUN/secagg_key (mode 0600) and never sent
+    to any node. Each round's graph is drawn from a key derived from it and the round's
+    context, so it is fresh per round and no client can compute it (Bell et al.'s bound on
+    colluding neighbours assumes a graph drawn independently of the colluders), while
+    `fedbus replay` and a resumed run, which read the file back, redraw the same graphs."""
+    import os
+    import secrets
+    from pathlib import Path
+
+    path = Path(run_dir) / GRAPH_KEY_FILE
+    if path.exists():
+        text = path.read_text().strip()
+        try:
+            key = bytes.fromhex(text)
+        except ValueError:
+            key = b""
+        if len(key) != 32:
+            raise ValueError(f"{path} does not hold a 32-byte key in hex: {text[:20]!r}")
+        return key
+    if not create:
+        raise FileNotFoundError(f"{path} is missing: the run's secure-aggregation graphs "
+                                "cannot be redrawn without it")
+    key = secrets.token_bytes(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key.hex() + "\n")
+    return key
+
+
 class SecureRound:
     """The engine's state of one securely aggregated round around a secagg.ServerSession:
-    its phase, its deadlines, the survivors' task answers. Deterministic in its inputs
-    (the graph's seed is the server's), so a replay of the message log redoes it."""
+    its phase, its deadlines, the survivors' task answers. Deterministic in its inputs, the
+    server's secret graph key included (run_graph_key), so a replay of the message log
+    redoes it; without a key (an engine with no run directory) each round's graph is drawn
+    from fresh OS randomness."""
 
     def __init__(self, *, run_id: str, round_: int, sampled: list[int], privacy: Mapping,
-                 length: int, seed: int, now: float):
+                 length: int, graph_key: bytes | None, now: float):
         from fedbus.node.privacy import secagg
+        from fedbus.node.validate import secure_proto_clip
 
         self.context = f"fedbus-secagg/{run_id}/{round_}"
         self.ring = secagg.RingParams.for_cohort(float(privacy["secagg_range"]),
@@ -163,7 +204,8 @@ class SecureRound:
         self.session = secagg.ServerSession(
             sampled, self.context.encode(),
             neighbours=secagg.neighbour_count(len(sampled), int(privacy["secagg_neighbours"])),
-            dropout=float(privacy["secagg_dropout"]), ring=self.ring, seed=seed)
+            dropout=float(privacy["secagg_dropout"]), ring=self.ring, graph_key=graph_key)
+        self.clip = secure_proto_clip(privacy)
         self.phase = "keys"  # keys -> shares -> masking -> unmask -> done
         self.deadline = now + self.timeout  # of the current phase (keys, shares, unmask)
         self.keys: set[int] = set()
@@ -180,7 +222,10 @@ class SecureRound:
 
     def task_field(self) -> dict[str, Any]:
         """What a task carries for the client's ClientSession and its masking."""
-        return {"context": self.context, "ring": self.ring.to_dict(), "length": self.length}
+        field = {"context": self.context, "ring": self.ring.to_dict(), "length": self.length}
+        if self.clip > 0:
+            field["clip"] = self.clip
+        return field
 
     def record(self) -> dict[str, Any]:
         """The round record's "secagg" entry."""
@@ -190,7 +235,11 @@ class SecureRound:
                 "neighbours": stats.get("neighbours"), "ring_bits": self.ring.ring_bits,
                 "frac_bits": self.ring.frac_bits, "clipped": self.clipped,
                 "quant_bound": float(stats.get("quant_bound", 0.0)),
-                "bytes_up": self.bytes_up, "bytes_down": self.bytes_down, **self.result}
+                "bytes_up": self.bytes_up, "bytes_down": self.bytes_down,
+                **({"excluded": stats["excluded"]} if stats.get("excluded") else {}),
+                **({"blamed": {f"c{c}": why for c, why in stats["blamed"].items()}}
+                   if stats.get("blamed") else {}),
+                **self.result}
 
 
 class SecureClient:
@@ -209,10 +258,12 @@ class SecureClient:
 
         field = body["secagg"]
         session = secagg.ClientSession(int(address[1:]), str(field["context"]).encode())
+        clip = field.get("clip", 0.0)
         self.sessions[address] = {"session": session, "task": body["task"],
                                   "client": int(address[1:]),
                                   "length": int(field["length"]), "sharers": None,
-                                  "update": None}
+                                  "update": None,
+                                  "clip": float(clip) if isinstance(clip, (int, float)) else 0.0}
         keys = session.public_keys()
         return {"step": "keys", "task": body["task"], "c_pk": keys["c_pk"],
                 "s_pk": keys["s_pk"]}
@@ -233,6 +284,9 @@ class SecureClient:
         peers = {int(a[1:]): (bytes(pk[0]), bytes(pk[1])) for a, pk in body["peers"].items()}
         cts = state["session"].on_peers(peers, int(body["t"]),
                                         secagg.RingParams.from_dict(body["ring"]))
+        for v, why in state["session"].refused_peers().items():
+            log.warning("secure aggregation: peer refused", client=address, peer=f"c{v}",
+                        reason=why, task=state["task"])
         return {"step": "shares", "task": state["task"],
                 "shares": {f"c{v}": ct for v, ct in cts.items()}}
 
@@ -240,7 +294,9 @@ class SecureClient:
         """The server's list of peers that sent shares -> the masked update, if trained
         (else it is masked when `ready`)."""
         state = self._state(address, body)
-        state["sharers"] = [int(a[1:]) for a in body["sharers"]]
+        # checked now, not when trained: a round it must abort ends at once
+        state["sharers"] = state["session"].check_share_senders(
+            [int(a[1:]) for a in body["sharers"]])
         return self._masked(state) if state["update"] is not None else None
 
     def on_unmask(self, address: str, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -264,7 +320,8 @@ class SecureClient:
 
         update = state.pop("update")
         state["update"] = None
-        form = self.rule.lift(update["payload"],
+        payload = clip_prototypes(update["payload"], state["clip"])
+        form = self.rule.lift(payload,
                               1 if self.unit_weight else int(update["num_samples"]),
                               Work.from_dict(update["work"]), self.params, state["client"])
         # a rule that keeps an update apart (FedAvg's dropped partial work) adds nothing
@@ -274,6 +331,27 @@ class SecureClient:
                              f"{state['length']}")
         packed, clipped = state["session"].mask(vector, state["sharers"])
         return {**update, "payload": {"masked": packed}, "clipped": int(clipped)}
+
+
+def clip_prototypes(payload: Any, clip: float) -> Any:
+    """The payload with each prototype row (validate.PROTOTYPE_KEYS, last axis) scaled to
+    L2 norm at most `clip` (0: as it is): under secure aggregation the server bounds only
+    the round's sum by mass x this clip (validate.secure_proto_clip), so an honest client
+    must stay within it."""
+    from fedbus.node.validate import PROTOTYPE_KEYS
+
+    if clip <= 0 or not isinstance(payload, Mapping):
+        return payload
+    out = dict(payload)
+    for key in PROTOTYPE_KEYS:
+        rows = out.get(key)
+        if isinstance(rows, np.ndarray) and rows.dtype.kind == "f" and rows.ndim >= 1 \
+                and rows.size:
+            norms = np.linalg.norm(rows.astype(np.float64), axis=-1, keepdims=True)
+            scale = np.minimum(1.0, clip / np.maximum(norms, 1e-300))
+            # float32 rounding may lengthen a row by 2^-24 relative: the server allows 1e-4
+            out[key] = (rows * scale).astype(rows.dtype)
+    return out
 
 
 class MaskedSums:
