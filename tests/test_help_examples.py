@@ -105,7 +105,7 @@ def test_every_help_example_runs_as_written(tmp_path, monkeypatch):
             assert names and grid, f"{where}: {command}: no runs\n{out}"
             sweeps[option_values(argv, "--out")[0]] = (names, grid)
             assert not Path(option_values(argv, "--out")[0]).exists()  # a dry run
-        elif argv[0] == "table":
+        elif argv[0] in ("table", "timeline"):  # (timeline's run: tests/test_timeline.py)
             check_table_example(where, command, argv, sweeps)
         else:
             pytest.fail(f"{where}: {command}: an example of a command this test does not "
@@ -114,7 +114,7 @@ def test_every_help_example_runs_as_written(tmp_path, monkeypatch):
 
 def check_table_example(where: str, command: str, argv: list[str],
                         sweeps: dict[str, tuple[set[str], dict[str, list[str]]]]) -> None:
-    cli.build_parser("table").parse_args(argv)  # a bad option exits, failing the test
+    cli.build_parser(argv[0]).parse_args(argv)  # a bad option exits, failing the test
     grid_keys: dict[str, list[str]] = {}
     for run in option_positionals(argv):
         sweep, name = (run, "") if run in sweeps else run.rsplit("/", 1)
