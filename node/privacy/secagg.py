@@ -10,20 +10,30 @@ every KDF info and every AEAD associated data:
    its peers) and s (pairwise masks; its private key is HKDF of a random
    16-byte ``s_seed`` so that one 16-byte Shamir secret carries it) and sends
    both public keys.
+   The server refuses keys of low order, a pair of equal keys, or a key another
+   client sent (blaming the sender: ServerSession.add_keys).
 2. Graph. The server links the key senders in a random k-regular Harary
-   graph (SecAgg+; complete when the cohort is small) drawn from its seed and
-   sends each client its neighbours' public keys and the threshold t.
+   graph (SecAgg+; complete when the cohort is small) drawn from its secret
+   graph key and the context (never from a seed the clients know), and sends
+   each client its neighbours' public keys and its own (which the client checks
+   came back unchanged) and the threshold t. A client refuses a neighbour whose
+   keys are of low order or repeat another listed key, and aborts if fewer than
+   t - 1 acceptable neighbours remain.
 3. Shares. u draws a self-mask seed ``b_seed``, Shamir-splits ``b_seed`` and
    ``s_seed`` t-of-m among holders = sorted(neighbours + u) (share index =
-   position + 1) and sends each neighbour's pair of shares to the server
-   encrypted with AES-GCM under HKDF(X25519(c_u, c_v)); the associated data
-   names (context, u, v). The set of share senders is U2.
+   position + 1) and sends each neighbour it accepts its pair of shares through
+   the server, encrypted with AES-GCM under HKDF(X25519(c_u, c_v)); the
+   associated data names (context, u, v). The set of share senders is U2; u and
+   v are linked (mask with, and hold shares of, each other) when each sent the
+   other shares.
 4. Input. u encodes x in fixed point in Z_{2^ring_bits} and sends
    y = x + PRG(b_u) + sum_v sign(u, v) PRG(s_uv), v over its neighbours in U2
    (sign +1 if u < v), PRG = ChaCha20 keystream, s_uv = HKDF(X25519(s_u, s_v)).
    Pairwise terms cancel between two survivors. A relay may pre-add the masked
    vectors of its members (``add_packed``). U2 reaches the clients through
-   ``ServerSession.close_shares`` -> ``ClientSession.mask(x, share_senders)``;
+   ``ServerSession.close_shares`` -> ``ClientSession.mask(x, share_senders)``,
+   which refuses fewer than t - 1 of them (Bonawitz's check on U2: else x +
+   PRG(b_u) alone would reach a server that can then ask for b_u's shares);
    without that step a client masks with all its neighbours, and the server
    refuses (at ``unmask_requests``) a round where a survivor's neighbour sent
    keys but no shares, since that pairwise mask could never be removed.
@@ -33,7 +43,11 @@ every KDF info and every AEAD associated data:
 6. The server rebuilds b_seed of every survivor and s_seed of every dropped
    client from t shares each, removes PRG(b_u) and the dropped clients' leftover
    pairwise terms, and decodes the sum. A secret short of t shares fails the
-   whole round (``SecAggError``) before anything is unmasked.
+   whole round (``SecAggError``) before anything is unmasked. A sum outside
+   what the inputs can add up to (a wrong share gives a mask spread over the
+   ring) makes the server check every secret with spare shares for consistency
+   and leave out the one holder whose removal explains it (``blamed``); a sum
+   out of bounds with consistent shares (a malformed masked input) fails.
 
 Threat model: an honest-but-curious server and relays (they follow the
 protocol and read everything they are sent); clients are honest. Hidden from
@@ -47,9 +61,13 @@ probability over the random graph for a bounded fraction of colluding clients.
 Not covered: a malicious server (it could claim that a survivor dropped to
 some holders while asking others for its self-mask shares; Bonawitz's
 signatures and consistency round are not implemented; a client only refuses
-requests that are inconsistent on their face and insists on t > holders / 2),
-malicious clients (any client can poison the sum or withhold its reveal), and
-what the sum itself reveals (use differential privacy for that).
+requests that are inconsistent on their face, insists on t > holders / 2 and
+on t - 1 share senders, and checks its own keys come back); a malicious client
+can still poison the sum within the server's bounds on it, send a malformed
+masked input (the round fails, its sender unknown), withhold its reveal, or
+lie in its shares when no spare shares expose it (t of t revealed), and two
+colluding liars holding shares of one secret are not told apart; what the sum
+itself reveals (use differential privacy for that).
 
 Cost, per client with k neighbours and a vector of L elements: 2 X25519 key
 generations, 2k key agreements, 2 Shamir splits t-of-(k+1), k AES-GCM
