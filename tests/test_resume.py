@@ -221,14 +221,22 @@ def test_without_client_state_a_resume_says_the_clients_start_again(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "fedbus.launch", "run", str(cfg), "--out",
                              str(run_dir), "--quiet", "--no-client-state"], cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = None
     try:
-        wait_until(lambda: (run_dir / "metrics.jsonl").exists() and
-                   len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 2,
-                   240, "two rounds recorded", interval=0.02)
+        wait_until(lambda: _records(run_dir) >= 2, 240, "two rounds recorded", interval=0.002)
+        # stopped, then read again: rounds are left to resume at the kill, on any machine
+        server = _server_pid(run_dir)
+        os.kill(server, signal.SIGSTOP)
+        assert 2 <= _records(run_dir) < ROUNDS, "the run ended before it could be stopped"
         assert _saved_rounds(run_dir) == []  # the nodes saved nothing
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(30)
+        if server is not None:  # killed with the launcher; continued, should it linger
+            try:
+                os.kill(server, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
     out = fedbus("run", "--resume", str(run_dir), "--quiet")
     assert "holds no client states" in out.stderr
     assert "every client starts again from its initial state" in out.stderr
