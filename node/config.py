@@ -448,7 +448,8 @@ def _check_consistency(cfg: dict[str, dict[str, Any]]) -> None:
 def _check_dp_claims(cfg: dict[str, dict[str, Any]]) -> None:
     """DP settings whose epsilon would have no basis (fedbus.node.privacy.dp, module doc)."""
     privacy, fed, train = cfg["privacy"], cfg["federation"], cfg["train"]
-    if privacy["dp"] == "record" and privacy["dp_extractor"] == "plain" and train["epochs"] > 0:
+    if privacy["dp"] == "record" and privacy["dp_extractor"] == "plain" and train["epochs"] > 0 \
+            and _admits_record(cfg["algorithm"]["name"]):  # else the preflight says it cannot
         raise ConfigError(
             "privacy.dp = record: the prototypes' feature extractor is trained without DP on "
             "the same data (one sample can move every feature); set privacy.dp_extractor = "
@@ -467,6 +468,16 @@ def _check_dp_claims(cfg: dict[str, dict[str, Any]]) -> None:
     if privacy["dp"] == "client" and fed["fraction"] <= 0:
         raise ConfigError("federation.fraction = 0 with privacy.dp = client: each client is "
                           "sampled with probability fraction, which must be > 0")
+
+
+def _admits_record(name: Any) -> bool:
+    from fedbus.algorithms import get_algorithm
+    from fedbus.node.privacy.dp import dp_levels  # dp_accounting: only under dp = record
+
+    try:
+        return "record" in dp_levels(get_algorithm(name).server)
+    except (KeyError, ImportError, TypeError, AttributeError):
+        return False
 
 
 def _check_backbone_sources(cfg: dict[str, dict[str, Any]]) -> None:

@@ -1290,8 +1290,6 @@ class Engine:
             form = unflatten(s.session.unmask(), self.secure_spec())
         except (SecAggError, ValueError) as err:
             return self._secure_done(now, failed=str(err))
-        if self.ledger is not None and self.ledger.mechanism == "client":
-            form = self._dp_noised(form)
         members = sorted((r.updates[c] for c in s.survivors), key=lambda u: u.client)
         body = {"version": self.version, "payload": form,
                 "members": [[client_address(u.client), s.task_of[u.client], u.num_samples,
@@ -1303,6 +1301,10 @@ class Engine:
                          count_epochs=self.count_epochs)
         except Rejected as err:
             return self._secure_done(now, failed=f"the unmasked sum is refused: {err}")
+        if self.ledger is not None and self.ledger.mechanism == "client":
+            # after the check, which bounds the clients' sum: the server's own noise and
+            # denominator are not theirs to be judged by
+            form = self._dp_noised(form)
         s.entries = [ClientUpdate(client=members[0].client, payload=form,
                                   num_samples=sum(u.num_samples for u in members),
                                   work=members[0].work, version=self.version,

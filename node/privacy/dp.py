@@ -4,6 +4,17 @@ Three mechanisms, each the Gaussian mechanism on a clipped sum, all under the ad
 neighbouring relation (one record, or one client, present or absent), which is the
 relation the accountant (Google's dp-accounting, `dp_accounting`) is built with.
 
+The theorem every epsilon here rests on: the Gaussian mechanism (a query of L2 sensitivity
+D released with N(0, (z D)^2) per coordinate is (alpha, alpha / 2 z^2)-RDP, Mironov 2017),
+Poisson-subsampled where stated (Mironov, Talwar, Zhang 2019; Abadi et al. 2016), composed
+adaptively over the releases by dp-accounting's RDP or PLD accountant and converted to
+(epsilon, delta). Its assumptions: the sensitivity holds (the clip, rounding included); the
+sampling is the Poisson sampling composed (each unit in independently with probability q,
+from randomness the adversary does not know); the noise is secret and real-valued (numpy's
+floating-point Gaussians: a sampler's low-bit gaps are not covered, Mironov CCS 2012, Jin
+et al. S&P 2022). Where a setting would break one, the config refuses it
+(fedbus.node.config._check_dp_claims).
+
 record (privacy.dp = "record", prototype algorithms; `dp_prototypes`)
     What is protected: one training sample of one client. After local training the client
     releases, instead of its exact class means, a noisy version computed from its whole
@@ -15,7 +26,15 @@ record (privacy.dp = "record", prototype algorithms; `dp_prototypes`)
     count coordinate by C, the release is (S, C n) + N(0, (z C)^2 I), whose L2 sensitivity
     is sqrt(C^2 + C^2) = sqrt(2) C. That is a Gaussian mechanism of noise multiplier
     z / sqrt(2) (`record_noise_multiplier`), composed once per round the client takes part
-    in. The wire carries only post-processing of (S~, n~): "protos" S~_k / n~_k where
+    in. That sensitivity holds for a feature map f that does not depend on the client's
+    data: a network trained without DP on the same data is none (one sample moves the
+    weights, so every feature). Hence record level is admitted only with train.epochs = 0
+    (the network is its seeded initialisation, or a backbone pre-trained on disjoint data,
+    `frozen:`), or with privacy.dp_extractor = "sgd": every local step is DP-SGD (as "sgd"
+    below, same C and z; LocalClient.run_local), so f at each release is the output of DP
+    mechanisms and of the server's messages (post-processing of DP releases), and the
+    prototype release composes adaptively with those steps (the ledger charges each task
+    both, fedbus.node.privacy.budget). The wire carries only post-processing of (S~, n~): "protos" S~_k / n~_k where
     n~_k >= 1 (projected back onto the ball of radius C, where every true class mean of
     clipped features lies; projection onto a convex set that holds the true value never
     moves the estimate away from it), zero rows elsewhere, and "counts" as 0/1 presence
@@ -30,13 +49,18 @@ client (privacy.dp = "client", weight-delta algorithms; `clip_update`, `gaussian
     What is protected: a whole client (all its data), against anyone who sees only the
     released global models. DP-FedAvg (McMahan, Ramage, Talwar, Zhang, "Learning
     Differentially Private Recurrent Language Models", ICLR 2018): each sampled client's
-    weight delta is clipped to global L2 norm C (`clip_update`); the server adds
-    N(0, (z C)^2) per coordinate to the *unweighted* sum of the clipped deltas
-    (`gaussian_like`) and divides by a fixed denominator (the expected cohort size); one
-    client then moves the noised sum by at most C, a Gaussian mechanism of multiplier z per
-    round. Each client takes part in a round with probability q = federation.fraction, and
-    an observer of the global models does not see the cohort, so each round is a
-    Poisson-subsampled Gaussian (`Accountant.add(z, q)`), composed over the rounds.
+    weight delta is clipped to global L2 norm C (`clip_update`: its float32 result within
+    C; under secure aggregation to C - `secagg_clip_margin`, so the fixed-point encoding
+    stays within C); the server adds N(0, (z C)^2) per coordinate to the *unweighted* sum
+    of the clipped deltas (`gaussian_like`) and divides by the fixed denominator q x
+    federation.clients, the expected cohort size (fedbus.node.engine.Engine._dp_noised;
+    an empty cohort still releases the noise); one client then moves the noised sum by at
+    most C, a Gaussian mechanism of multiplier z per round. Each live client takes part in
+    a round independently with probability q = federation.fraction (Poisson, drawn by the
+    engine from the server's secret seed, so no client knows the cohorts; sampling =
+    "size" is refused), and an observer of the global models does not see the cohort, so
+    each round is a Poisson-subsampled Gaussian (`Accountant.add(z, q)`), composed over the
+    rounds.
 
 sgd (privacy.dp = "sgd", weight-delta algorithms; fedbus.algorithms.core.dp_sgd, with Opacus)
     What is protected: one training sample of one client, in the weights its local
@@ -84,10 +108,10 @@ What is not protected.
   network's BatchNorm layers (refused) and anything the client computes outside
   LocalClient.run_local are not covered.
 - Client level: nothing against the server, which sees each clipped delta before noising
-  (unless secure aggregation hides them and the noise is added by the clients); the
-  guarantee assumes the server samples each client independently with probability q
-  (Poisson) and sums the deltas with weight 1 each (not n_k), and it covers the global
-  models only.
+  (or their exact sum under secure aggregation) and draws the cohorts; nor amplification
+  against a relay or the broker, which see who is sent a task. The guarantee covers the
+  global models only. Under secure aggregation a round whose unmasking fails releases
+  nothing, and a Poisson cohort may hold one client (its clipped delta is then the sum).
 - The older privacy.clip_norm / noise_sigma / withhold_counts (fedbus.node.privacy.prototypes) carry
   no guarantee and are not accounted.
 """
