@@ -377,7 +377,8 @@ def replay_without(run_dir: Path, srcs: set[str]):
     """The server's engine after the run's logged inputs less the attackers' messages: but
     the first config acknowledgement of each (which made its clients live and so shaped the
     sampling) and the refusals of its messages (which ended its tasks: "every answer of the
-    attacker refused"). Returns (engine, messages skipped)."""
+    attacker refused"; a secure-aggregation step the engine refused counts as one, and one
+    it accepted is an error). Returns (engine, messages skipped)."""
     from fedbus.analysis.replay import load_run
     from fedbus.broker import wire
     from fedbus.node.server import build_engine, dispatch
@@ -390,6 +391,10 @@ def replay_without(run_dir: Path, srcs: set[str]):
 
     cfg, run_id = load_run(run_dir)
     engine = build_engine(cfg, run_id)
+    if cfg.privacy.secure_aggregation:  # the server's secret graphs, as the run drew them
+        from fedbus.node.privacy.secure_round import run_graph_key
+
+        engine.secagg_key = run_graph_key(run_dir, create=False)
     acked: set[str] = set()
     skipped = 0
     for rec in read_log(run_dir):
@@ -399,6 +404,15 @@ def replay_without(run_dir: Path, srcs: set[str]):
                 if m.kind == "config" and m.src not in acked and \
                         isinstance(m.body, dict) and m.body.get("run") == run_id:
                     acked.add(m.src)
+                elif m.kind == "secagg":
+                    # the engine, not the judge, refuses a bad secure-aggregation step (its
+                    # task ends there, as a refused update's does): kept if refused
+                    before = engine.totals["refused"] + engine.totals["rejected"]
+                    dispatch(engine, m, rec.time)
+                    if engine.totals["refused"] + engine.totals["rejected"] == before:
+                        step = m.body.get("step") if isinstance(m.body, dict) else "?"
+                        raise RuntimeError(f"the attacker's secagg step {step} was accepted")
+                    continue
                 else:
                     skipped += 1
                     continue
@@ -726,6 +740,55 @@ def _huge_judge(fed, facts):
                 f"MiB; messages.bin {log_mb:.1f} MiB")
 
 
+def _zero_keys(fed, scale):
+    # issue 42 Why 8: 32 zero bytes as both X25519 keys, at the keys step of its task
+    dst, task, rnd = fed.wait_task(fed.evil)
+    fed.evil.message("secagg", "server", {"step": "keys", "task": task["task"],
+                                          "c_pk": bytes(32), "s_pk": bytes(32)},
+                     src=EVIL_CLIENT, round=rnd)
+    return {"sent": 1, "task": task["task"]}
+
+
+def _round_records(fed: Federation) -> list[dict[str, Any]]:
+    path = fed.run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines()
+            if x.strip() and "participants" in x]
+
+
+def _zero_keys_judge(fed, facts):
+    """The attacker's task ended rejected for its keys, the round aggregated its honest
+    clients (no secure round failed), and no honest client was blamed."""
+    client = EVIL_CLIENT[1:]
+
+    def hit() -> dict[str, Any] | None:
+        return next((r for r in _round_records(fed)
+                     if r.get("failures", {}).get(client) == "rejected"), None)
+
+    end = time.monotonic() + 120
+    while hit() is None and time.monotonic() < end:
+        fed.check_alive()
+        fed.pump(0.2)
+    rec = hit()
+    if rec is None:
+        return False, "no round recorded c3's task as rejected"
+    why = str((rec.get("refusals") or {}).get(client, ""))
+    honest = [c for c, f in rec.get("failures", {}).items() if c != client]
+    failed = (rec.get("secagg") or {}).get("failed")
+    ok = "low-order" in why and not honest and not failed and \
+        rec.get("participants") == [0, 1, 2]
+    return ok, (f"c3 rejected: {why[:60]}; honest failures {honest or 'none'}; "
+                f"round {'failed: ' + str(failed)[:40] if failed else 'aggregated c0-2'}")
+
+
+def _record_counts(fed, scale):
+    # issue 42 Why 9: counts above the presence flags honest record-DP clients send
+    def make(task, counts, protos):
+        return update_body(task, protos, np.full(len(counts), 2, np.int64))
+    return _answer(fed, make)
+
+
 def _set(**sections):
     def apply(s):
         for sec, table in sections.items():
@@ -759,6 +822,14 @@ ATTACKS = [
            _register_judge),
     Attack("12", "huge-body", "a max-size body of empty maps; 20 refused max-size updates",
            _huge_body, _huge_judge),
+    # issue 42: secure aggregation and DP
+    Attack("42.8", "secagg-zero-keys", "32 zero bytes as both keys under secure aggregation",
+           _zero_keys, _zero_keys_judge,
+           sections=_set(privacy={"secure_aggregation": True, "secagg_timeout_s": 20.0})),
+    Attack("42.9", "dp-record-counts", "counts of 2 a class under record-level DP",
+           _record_counts, lambda f, x: _rejected_by_server(f, x, "presence flag"),
+           # an extractor never trained on the clients' data: what record DP needs
+           sections=_set(privacy={"dp": "record"}, train={"epochs": 0})),
 ]
 BY_NAME = {a.name: a for a in ATTACKS}
 
