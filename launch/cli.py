@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "table": ("table_cmd", "one table across runs: mean, std and paired differences by group"),
     "bench": ("bench_cmd", "benchmarks: {names}"),
     "keygen": ("keygen_cmd", "write a CurveZMQ keypair"),
+    "slurm": ("slurm_cmd", "submit a whole federation as one Slurm job and follow it"),
 }
 
 # sub-command -> the registry (module under fedbus.launch, attribute) of what its help

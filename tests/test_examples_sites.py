@@ -3,7 +3,6 @@ examples/slurm-relays.sbatch load, parse, and run as documented, with CurveZMQ k
 and exchanged the way docs/RELAYS.md says, through real brokers, relays and nodes."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -14,7 +13,7 @@ import pytest
 
 from fedbus.algorithms import get_algorithm
 from fedbus.node.config import load_config
-from tests.helpers import REPO, free_port, metrics
+from tests.helpers import REPO, metrics
 
 EXAMPLE = REPO / "examples" / "two-sites"
 SLURM = REPO / "examples" / "slurm-relays.sbatch"
@@ -84,86 +83,3 @@ def test_the_two_site_walk_through_runs_with_one_merged_update_per_relay(tmp_pat
                               cwd=REPO)
     assert timeline.returncode == 0, timeline.stderr
     assert "relay-a" in timeline.stdout and "relay-b" in timeline.stdout, timeline.stdout
-
-
-STAND_IN_SRUN = r"""#!/bin/bash
-# Slurm's srun, as this machine can play it: the step's command once per allocation node
-# (--nodes=N), each with its SLURM_NODEID, all here.
-n=1
-while [[ $1 == -* ]]; do
-  case $1 in
-    --nodes=*) n=${1#--nodes=} ;;
-    -w|--nodelist) shift ;;
-  esac
-  shift
-done
-pids=()
-for i in $(seq 0 $((n - 1))); do SLURM_NODEID=$i "$@" & pids+=($!); done
-rc=0
-for p in "${pids[@]}"; do wait "$p" || rc=$?; done
-exit $rc
-"""
-
-
-@pytest.mark.slow
-def test_the_slurm_relay_job_runs_one_site_below_its_relay(tmp_path):
-    """examples/slurm-relays.sbatch as one allocation of two nodes with two CPU node
-    processes each, Slurm's launcher played on this machine, below a real server site."""
-    fedbus = [sys.executable, "-m", "fedbus.launch"]
-    site_s, relay_keys = tmp_path / "S", tmp_path / "relay-a"
-    for name in ("broker", "server"):
-        subprocess.run([*fedbus, "keygen", name, "--dir", str(site_s / "keys")], check=True,
-                       capture_output=True)
-    subprocess.run([*fedbus, "keygen", "relay-a", "--clients", "0-5", "--dir",
-                    str(relay_keys)], check=True, capture_output=True)
-    (site_s / "keys" / "relay-a.key").write_bytes((relay_keys / "relay-a.key").read_bytes())
-    (relay_keys / "broker.key").write_bytes((site_s / "keys" / "broker.key").read_bytes())
-
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "srun").write_text(STAND_IN_SRUN)
-    (bin_dir / "scontrol").write_text('#!/bin/bash\necho 127.0.0.1\n')
-    for tool in ("srun", "scontrol"):
-        (bin_dir / tool).chmod(0o755)
-
-    upstream = f"tcp://127.0.0.1:{free_port()}"
-    procs = []
-    try:
-        for name, args in (("broker", ["broker", "--bind", upstream, "--curve"]),
-                           ("server", ["server", "--broker", upstream,
-                                       str(EXAMPLE / "server.toml"), "--out", "runs/exp1"])):
-            with open(tmp_path / f"{name}.log", "wb") as out:
-                procs.append(subprocess.Popen([*fedbus, *args, "--keys-dir", "keys"],
-                                              cwd=site_s, stdout=out, stderr=subprocess.STDOUT))
-        env = _env(SLURM_JOB_ID="42", SLURM_JOB_NUM_NODES="2",
-                   SLURM_JOB_NODELIST="127.0.0.1", DEVICE="cpu", PROCS_PER_NODE="2",
-                   SITE_PORT=str(free_port()))
-        env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
-        rc = _run_script(["bash", str(SLURM), upstream, str(relay_keys), "0-5"],
-                         cwd=tmp_path, env=env, timeout=280, log=tmp_path / "job.log")
-        assert rc == 0, (tmp_path / "job.log").read_text(errors="replace")[-3000:]
-        assert procs[1].wait(timeout=60) == 0, (tmp_path / "server.log").read_text()[-3000:]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    records = metrics(site_s / "runs" / "exp1")
-    assert len(records) == 3
-    for r in records:
-        assert r["merged"] == 1 and r["participants"] == list(range(6)), r
-    listing = subprocess.run([*fedbus, "keygen", "--list", "--dir",
-                              str(tmp_path / "runs" / "slurm-site-42" / "site-keys")],
-                             capture_output=True, text=True, check=True).stdout
-    # process k = node * 2 + gpu hosts its share of 0-5
-    column = listing.splitlines()[0].split().index("clients")  # (the columns' header)
-    hosts = {line.split()[0]: line.split()[column] for line in listing.splitlines()
-             if line.startswith("gpu") and ".key " in line}
-    assert hosts == {"gpu0.key": "c0", "gpu1.key": "c1-2", "gpu2.key": "c3",
-                     "gpu3.key": "c4-5"}, listing
-    relay_log = [json.loads(line) for line in
-                 (tmp_path / "runs" / "slurm-site-42" / "relay.log").read_text().splitlines()
-                 if line.startswith("{")]
-    # each of the four node processes joined through the relay (a node that misses its
-    # heartbeats on a loaded machine registers again: a second join, the same node)
-    assert len({e.get("node") for e in relay_log if e.get("event") == "node joined"}) == 4

@@ -105,11 +105,23 @@ def test_every_help_example_runs_as_written(tmp_path, monkeypatch):
             assert names and grid, f"{where}: {command}: no runs\n{out}"
             sweeps[option_values(argv, "--out")[0]] = (names, grid)
             assert not Path(option_values(argv, "--out")[0]).exists()  # a dry run
+        elif argv[0] == "slurm":  # submitted for real by tests/test_slurm.py
+            check_slurm_example(where, command, argv)
         elif argv[0] in ("table", "timeline"):  # (timeline's run: tests/test_timeline.py)
             check_table_example(where, command, argv, sweeps)
         else:
             pytest.fail(f"{where}: {command}: an example of a command this test does not "
                         f"check yet: teach it how (run it, or validate its config)")
+
+
+def check_slurm_example(where: str, command: str, argv: list[str]) -> None:
+    """A submission prints its job with --dry-run (the config loaded, the clients split);
+    a --resume names a run to resubmit: parsed here, resubmitted in tests/test_slurm.py."""
+    if "--resume" in argv:
+        cli.build_parser("slurm").parse_args(argv)
+        return
+    code, out, err = call([*argv] if "--dry-run" in argv else [*argv, "--dry-run"])
+    assert code == 0 and "#SBATCH --nodes=" in out, f"{where}: {command}\n{err}"
 
 
 def check_table_example(where: str, command: str, argv: list[str],
