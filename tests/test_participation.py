@@ -403,16 +403,18 @@ def test_the_progress_line_says_whom_a_round_waits_for_and_when_it_must_close():
 
 def test_fedbus_run_warns_at_start_when_a_dropped_task_holds_its_round(tmp_path):
     """drop_clients and no deadline: one warning line before the first round; the round
-    closes at the hard deadline (a liveness bound here, not the verdict) with 1 dropped."""
+    closes at the hard deadline with 1 dropped. The hard deadline is also all that client 0's
+    task and the evaluation get (and must beat): 20 s for one epoch on digits, a liveness
+    bound, where 2 s could be missed by a loaded machine."""
     from tests.helpers import fedbus
 
     cfg = write_config(tmp_path / "c.toml", merged(
-        SMALL, federation={"clients": 2, "rounds": 1, "hard_deadline_s": 2.0},
+        SMALL, federation={"clients": 2, "rounds": 1, "hard_deadline_s": 20.0},
         system={"drop_clients": [1]}, launch={"nodes": 1}))
     proc = fedbus("run", str(cfg), "--out", str(tmp_path / "run"))
     warned = [ln for ln in proc.stderr.splitlines() if ln.startswith("warning: ")]
     assert len(warned) == 1 and "system.drop_clients = [1]" in warned[0], proc.stderr
-    assert "hard_deadline_s (2 s)" in warned[0]
+    assert "hard_deadline_s (20 s)" in warned[0]
     assert metrics(tmp_path / "run")[0]["failures"] == {"1": "dropped"}
     assert re.search(r"failed 1 \(dropped 1\)  acc \d+\.\d% \(2 clients\)", proc.stderr), \
         proc.stderr
