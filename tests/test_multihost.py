@@ -59,7 +59,9 @@ from netns import HostProcess, Impairment, Network
 from fedbus.node.server import read_checkpoint
 
 _why_not = netns.unavailable()
-pytestmark = [pytest.mark.slow,
+# a liveness guard, not pytest.ini's 300 s: scenario 1 runs two federations, and pinned to
+# one busy core a run of a few processes importing torch takes minutes
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200),
               pytest.mark.skipif(_why_not is not None, reason=f"multi-host: {_why_not}")]
 
 PORT = 5555
