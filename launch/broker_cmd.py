@@ -76,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="log level (debug logs one line per routed message, so it also "
                              "routes in Python, not in the C fast path)")
     parser.add_argument("--log-file", default=None, help="also append JSON lines to this file")
+    from fedbus.broker.metrics import add_metrics_argument
+
+    add_metrics_argument(parser)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -126,6 +129,13 @@ def main(args: argparse.Namespace) -> int:
     except Exception as e:  # a bad endpoint, a port in use, ...
         log.error("broker failed to start", endpoints=binds, error=f"{type(e).__name__}: {e}")
         return 1
+    from fedbus.broker.metrics import broker_families, start_from_args
+
+    try:
+        metrics = start_from_args(args, lambda: broker_families(broker), "broker")
+    except SystemExit:
+        broker.close()
+        raise
     stop = threading.Event()
 
     def on_signal(signum, _frame):
@@ -137,6 +147,8 @@ def main(args: argparse.Namespace) -> int:
         broker.run(stop)
     finally:
         broker.close()
+        if metrics is not None:
+            metrics.shutdown()
         for s, h in old.items():
             signal.signal(s, h)
     return 0

@@ -55,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--insecure", action="store_true",
                    help="a plaintext site broker on a non-loopback --bind")
     add_log_arguments(p)
+    from fedbus.broker.metrics import add_metrics_argument
+
+    add_metrics_argument(p)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -88,6 +91,15 @@ def main(args: argparse.Namespace) -> int:
                   heartbeat_s=args.heartbeat_s, liveness=args.liveness,
                   max_frame_mb=args.max_frame_mb, deadline_fraction=args.deadline_fraction,
                   merge=not args.no_merge)
+    from fedbus.broker.metrics import start_from_args
+    from fedbus.node.metrics import relay_families
+
+    try:
+        metrics = start_from_args(args, lambda: relay_families(relay), "relay")
+    except SystemExit:
+        if broker is not None:
+            broker.terminate()
+        raise
     try:
         return relay.serve()
     except PeerError as err:
@@ -98,6 +110,8 @@ def main(args: argparse.Namespace) -> int:
             print(f"fedbus relay: {err}", file=sys.stderr)
         return 2
     finally:
+        if metrics is not None:
+            metrics.shutdown()
         if broker is not None:
             broker.terminate()
             try:

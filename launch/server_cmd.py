@@ -23,6 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", default=None, metavar="RUN_DIR",
                    help="continue the run in RUN_DIR from its last checkpoint")
     add_peer_curve_arguments(p)
+    from fedbus.broker.metrics import add_metrics_argument
+
+    add_metrics_argument(p)
     add_log_arguments(p)
 
 
@@ -81,7 +84,15 @@ def main(args: argparse.Namespace) -> int:
     except DamagedFile as err:
         print(f"fedbus server: {err}", file=sys.stderr)
         return 2
-    code = server.serve()
+    from fedbus.broker.metrics import start_from_args
+    from fedbus.node.metrics import server_families
+
+    metrics = start_from_args(args, lambda: server_families(server), "server")
+    try:
+        code = server.serve()
+    finally:
+        if metrics is not None:
+            metrics.shutdown()
     if code in (130, 143):  # SIGINT, SIGTERM: the run stopped where its checkpoint is
         redo = (f"continue with `fedbus server --broker {args.broker} --resume {run_dir}`"
                 if (run_dir / "checkpoint.fbk").is_file() else
