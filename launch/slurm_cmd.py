@@ -73,6 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="when the time limit comes first, requeue the job: it resumes the run")
     p.add_argument("--sbatch", dest="sbatch_args", action="append", default=[],
                    metavar="ARG", help="one more sbatch option, e.g. --sbatch=--qos=long")
+    p.add_argument("--relays", action="store_true",
+                   help="a relay on every allocated node: its client nodes connect to the "
+                   "relay's site broker there, and the relay sends the server one merged "
+                   "update a round for them (docs/RELAYS.md)")
     p.add_argument("--no-curve", action="store_true",
                    help="no CurveZMQ (only inside a network you trust)")
     p.add_argument("--dry-run", action="store_true",
@@ -120,7 +124,8 @@ def main(args: argparse.Namespace) -> int:
     (run_dir / "slurm").mkdir(exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     if not args.no_curve:
-        write_keys(run_dir, groups)
+        write_keys(run_dir, groups, (args.gpus_per_node or args.tasks_per_node)
+                   if args.relays else 0)
     (run_dir / "slurm" / "job.sbatch").write_text(job)
     (run_dir / "slurm" / "node-step.sh").write_text(step)
     (run_dir / "slurm" / "node-step.sh").chmod(0o755)
@@ -159,16 +164,32 @@ def client_groups(cfg, count: int) -> list[list[int]]:
     return split_clients(cfg.federation.clients, count, sizes)
 
 
-def write_keys(run_dir: Path, groups: list[list[int]]) -> None:
+def write_keys(run_dir: Path, groups: list[list[int]], per_node: int = 0) -> None:
+    """RUN/keys: broker, server and node-K (allowed its clients); with relays (per_node:
+    node processes per allocated node), relay-I upstream instead (allowed node I's
+    clients), and RUN/site-keys/relay-I for its site: broker, server (the relay, downstream)
+    and its node-K."""
     from fedbus.broker.auth import format_addresses, write_keypair
     from fedbus.node.engine import client_address
+
+    def allowed(ids: list[int]) -> str:
+        return format_addresses([client_address(c) for c in sorted(ids)])
 
     keys = run_dir / "keys"
     write_keypair(keys, "broker", "broker", force=True)
     write_keypair(keys, "server", "server", force=True)
-    for k, ids in enumerate(groups):
-        write_keypair(keys, f"node-{k}", "client", force=True,
-                      clients=format_addresses([client_address(c) for c in ids]))
+    if not per_node:
+        for k, ids in enumerate(groups):
+            write_keypair(keys, f"node-{k}", "client", force=True, clients=allowed(ids))
+        return
+    for i in range(0, len(groups), per_node):
+        site, members = run_dir / "site-keys" / f"relay-{i // per_node}", groups[i:i + per_node]
+        write_keypair(keys, f"relay-{i // per_node}", "client", force=True,
+                      clients=allowed([c for g in members for c in g]))
+        write_keypair(site, "broker", "broker", force=True)
+        write_keypair(site, "server", "server", force=True)
+        for k, ids in enumerate(members, start=i):
+            write_keypair(site, f"node-{k}", "client", force=True, clients=allowed(ids))
 
 
 def job_state(run_dir: Path) -> str:
@@ -257,23 +278,39 @@ exit "$CODE"
     pin = (f'  GPU=${{GRANTED[$g]:?"node-step.sh: Slurm granted fewer GPUs than '
            f'{per_node} (CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES)"}}\n'
            if args.gpus_per_node else '  GPU=\n')
+    if args.relays:
+        site_keys = '--keys-dir "$RUN/site-keys/relay-$SLURM_NODEID"'
+        relay = (
+            '# This node\'s relay: upstream one participant for its clients, downstream the\n'
+            '# server of its site broker (started by the relay), which its node processes join.\n'
+            'SITE_PORT=$("$PY" -c \'import socket; s = socket.socket(); s.bind(("", 0)); '
+            'print(s.getsockname()[1])\')\n'
+            '"$PY" -m fedbus.launch relay --upstream "$FEDBUS_BROKER" '
+            '--bind "tcp://127.0.0.1:$SITE_PORT" \\\n'
+            f'    --name "relay-$SLURM_NODEID" {hb} '
+            + ('' if args.no_curve else '--keys-dir "$RUN/keys" --key "relay-$SLURM_NODEID" '
+               '\\\n    --site-keys-dir "$RUN/site-keys/relay-$SLURM_NODEID" ')
+            + '--log-file "$RUN/logs/relay-$SLURM_NODEID.jsonl" &\n'
+            'PIDS=($!)\n'
+            'BROKER="tcp://127.0.0.1:$SITE_PORT"\n')
+    else:
+        site_keys, relay = keys, 'PIDS=()\nBROKER=$FEDBUS_BROKER\n'
     step = f"""#!/bin/bash
 # One allocated node's client-node processes, started once per node by job.sbatch's srun.
 set -uo pipefail
 PY={py}
 RUN={run}
-CLIENTS=({ids})  # node-K hosts the clients CLIENTS[K]
+{relay}CLIENTS=({ids})  # node-K hosts the clients CLIENTS[K]
 PER_NODE={per_node}
 IFS=, read -r -a GRANTED <<< "${{CUDA_VISIBLE_DEVICES:-}}"  # the GPUs Slurm granted here
-PIDS=()
 trap 'kill -TERM "${{PIDS[@]}}" 2>/dev/null' TERM INT
 for ((g = 0; g < PER_NODE; g++)); do
   K=$((SLURM_NODEID * PER_NODE + g))
   [ "$K" -lt "${{#CLIENTS[@]}}" ] || continue
 {pin}  echo "fedbus slurm: node-$K on $(hostname -s): clients ${{CLIENTS[$K]}}, device {device}, CUDA_VISIBLE_DEVICES=$GPU"
-  CUDA_VISIBLE_DEVICES=$GPU "$PY" -m fedbus.launch node --broker "$FEDBUS_BROKER" \\
+  CUDA_VISIBLE_DEVICES=$GPU "$PY" -m fedbus.launch node --broker "$BROKER" \\
       --clients "${{CLIENTS[$K]}}" --device {q(device)} --name "node-$K" {hb} \\
-      --state-dir "$RUN/clients" {keys} {'--key "node-$K"' if keys else ''} \\
+      --state-dir "$RUN/clients" {site_keys if keys else ''} {'--key "node-$K"' if keys else ''} \\
       --log-file "$RUN/logs/node-$K.jsonl" &
   PIDS+=($!)
 done

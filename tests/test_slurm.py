@@ -109,6 +109,23 @@ def test_a_federation_completes_with_a_client_node_on_each_granted_gpu(tmp_path,
     assert hosted == {0, 1, 2, 3}
 
 
+@needs_slurm
+def test_relays_a_relay_on_each_allocated_node_sends_one_merged_update(tmp_path, slurm):
+    """--relays: the node's relay joins upstream for its clients and its two client-node
+    processes join the relay's site broker: one merged update a round reaches the server."""
+    cfg = write_config(tmp_path / "run.toml", merged(SECTIONS, federation={"rounds": 2}))
+    run_dir = tmp_path / "run"
+    job = submit(slurm, str(cfg), "--out", str(run_dir), "--relays", "--tasks-per-node", "2")
+    assert slurm.wait_job(job) == "COMPLETED", job_output(run_dir, job)
+    records = [r for r in metrics(run_dir) if "participants" in r]
+    assert len(records) == 2
+    for r in records:
+        assert r["merged"] == 1 and r["participants"] == [0, 1, 2, 3], r
+    relay_log = [json.loads(line) for line in
+                 (run_dir / "logs" / "relay-0.jsonl").read_text().splitlines()]
+    assert len({e.get("node") for e in relay_log if e.get("event") == "node joined"}) == 2
+
+
 def _server_of(run_dir) -> psutil.Process:
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
