@@ -1231,9 +1231,6 @@ class Engine:
             return []
         s.session.add_input(clients, body["payload"]["masked"])
         s.inputs.update(clients)
-        clipped = body.get("clipped", 0)  # (a relay's merged sum reports none)
-        if isinstance(clipped, int) and not isinstance(clipped, bool):
-            s.clipped += clipped
         members = upd if isinstance(upd, list) else [upd]
         for u in members:
             u.payload = {}

@@ -211,6 +211,11 @@ def test_a_masked_input_is_uncorrelated_with_the_prototypes_and_the_sum_matches(
         # what the server held of this client: noise, not its prototypes
         assert abs(np.corrcoef(seen, truth)[0, 1]) < 0.1
         assert np.abs(seen).max() > 1e3 * np.abs(truth).max()
+    # a masked update says nothing else of its input: no count of values clipped to the
+    # ring's range (issue 42, Why-6), and the record has none to report
+    assert all(set(m.body) <= {"task", "version", "num_samples", "work", "payload", "secagg"}
+               for m in cl.sent if m.kind == "update"), [sorted(m.body) for m in cl.sent]
+    assert "clipped" not in _record(engine)["secagg"]
     # no message a client sent carries a float array (the only floats: none)
     for m in cl.sent:
         payload = m.body.get("payload", {}) if isinstance(m.body, dict) else {}

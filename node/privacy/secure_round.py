@@ -214,7 +214,6 @@ class SecureRound:
         self.survivors: set[int] = set()
         self.revealed: set[int] = set()
         self.task_of: dict[int, int] = {}  # client -> its task of this round
-        self.clipped = 0
         self.bytes_up = self.bytes_down = 0  # of the steps (the masked inputs are updates)
         self.entries: list[Any] = []  # the unmasked sum as one merged ClientUpdate
         self.unmask_started = 0.0
@@ -233,7 +232,7 @@ class SecureRound:
         return {"survivors": len(self.survivors), "dropped": len(self.sharers - self.inputs),
                 "keys": len(self.keys), "t": stats.get("t"),
                 "neighbours": stats.get("neighbours"), "ring_bits": self.ring.ring_bits,
-                "frac_bits": self.ring.frac_bits, "clipped": self.clipped,
+                "frac_bits": self.ring.frac_bits,
                 "quant_bound": float(stats.get("quant_bound", 0.0)),
                 "bytes_up": self.bytes_up, "bytes_down": self.bytes_down,
                 **({"excluded": stats["excluded"]} if stats.get("excluded") else {}),
@@ -330,7 +329,11 @@ class SecureClient:
             raise ValueError(f"the sum form has {len(vector)} values, the round "
                              f"{state['length']}")
         packed, clipped = state["session"].mask(vector, state["sharers"])
-        return {**update, "payload": {"masked": packed}, "clipped": int(clipped)}
+        if clipped:  # logged here, never sent: how many of a client's values hit the ring's
+            # range says something of its input that the masked sum is meant to hide
+            log.warning("secure aggregation: values clipped to privacy.secagg_range",
+                        client=state["client"], values=int(clipped))
+        return {**update, "payload": {"masked": packed}}
 
 
 def clip_prototypes(payload: Any, clip: float) -> Any:
