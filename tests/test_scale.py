@@ -139,9 +139,9 @@ def test_the_task_indexes_follow_every_way_a_task_ends():
     assert len(first) == 2 and len(engine.busy) == 2 and engine.next_deadline() == 3.0
     _answer(engine, first[0], 1.0)  # buffered; a new client takes its slot at t=1
     assert len(engine.busy) == 2 and engine.next_deadline() == 3.0
-    engine.on_tick(3.0)  # the other first task is late now; its slot is refilled
-    late = int(first[1].dst[1:])
-    assert engine.window.failures == {late: "late"}
+    engine.on_tick(3.0)  # the other first task expired; its slot is refilled
+    expired = int(first[1].dst[1:])
+    assert engine.window.failures == {expired: "timed_out"}
     assert engine.next_deadline() == 4.0 and len(engine.busy) == 2
 
 
