@@ -419,3 +419,45 @@ def test_dp_refusal_client_needs_a_sum():
     assert dp_refusal("fedavg", "client", {"robust": "none"}) is None
     assert dp_refusal("fedproto", "record", {"robust": "median"}) is None
     assert "unknown" in dp_refusal("fedavg", "everything")
+
+
+# --- the noise source (CryptoGaussian) ---------------------------------------------------
+
+def test_the_noise_is_a_chacha20_stream_four_gaussians_halved():
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+
+    from fedbus.node.privacy.dp import CryptoGaussian
+
+    key = __import__("hashlib").sha256(b"fedbus dp noise %d %d" % (0xD1F5, 7)).digest()
+    words = np.frombuffer(Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor()
+                          .update(bytes(8 * 4)), dtype="<u8")
+    u = ((words >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0 ** -53
+    r, theta = np.sqrt(-2 * np.log(u[:2])), 2 * math.pi * u[2:]
+    expected = 3.0 * (r[0] * np.cos(theta[0]) + r[1] * np.cos(theta[1])
+                      + r[0] * np.sin(theta[0]) + r[1] * np.sin(theta[1])) / 2
+    assert CryptoGaussian(7).normal(0.0, 3.0, 1)[0] == pytest.approx(expected, rel=1e-12)
+
+
+def test_the_noise_is_gaussian_with_the_asked_scale():
+    from scipy import stats
+
+    from fedbus.node.privacy.dp import CryptoGaussian
+
+    draws = CryptoGaussian(11).normal(0.0, 2.5, (400, 500))
+    assert draws.shape == (400, 500) and draws.dtype == np.float64
+    assert abs(draws.mean()) < 0.02 and draws.std() == pytest.approx(2.5, rel=0.01)
+    assert stats.kstest(draws.ravel() / 2.5, "norm").pvalue > 1e-3
+    assert CryptoGaussian(11).normal(5.0, 0.0, (2, 3)).tolist() == [[5.0] * 3] * 2
+
+
+def test_seeded_noise_repeats_and_secret_noise_does_not():
+    from fedbus.node.privacy.dp import CryptoGaussian, _rng
+
+    assert np.array_equal(CryptoGaussian(3).normal(0, 1, 64), CryptoGaussian(3).normal(0, 1, 64))
+    assert not np.array_equal(CryptoGaussian(3).normal(0, 1, 64), CryptoGaussian(4).normal(0, 1, 64))
+    assert not np.array_equal(_rng(None).normal(0, 1, 64), _rng(None).normal(0, 1, 64))
+    # numpy's PCG64 under the old seeding would let anyone with the seed recompute it
+    old = np.random.default_rng(np.random.SeedSequence([3, 0xD1F5])).normal(0, 1, 64)
+    assert not np.allclose(CryptoGaussian(3).normal(0, 1, 64), old)
+    with pytest.raises(ValueError, match="non-negative"):
+        CryptoGaussian(-1)

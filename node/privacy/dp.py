@@ -10,9 +10,10 @@ Poisson-subsampled where stated (Mironov, Talwar, Zhang 2019; Abadi et al. 2016)
 adaptively over the releases by dp-accounting's RDP or PLD accountant and converted to
 (epsilon, delta). Its assumptions: the sensitivity holds (the clip, rounding included); the
 sampling is the Poisson sampling composed (each unit in independently with probability q,
-from randomness the adversary does not know); the noise is secret and real-valued (numpy's
-floating-point Gaussians: a sampler's low-bit gaps are not covered, Mironov CCS 2012, Jin
-et al. S&P 2022). Where a setting would break one, the config refuses it
+from randomness the adversary does not know); the noise is secret and real-valued
+(CryptoGaussian: a ChaCha20 stream, each value the sum of four floating-point Gaussians as
+Opacus's secure_mode, Holohan and Braghin 2021 section 5.1, which defeats the low-bit attack
+of Jin et al. S&P 2022 at cost 2^159; a discrete Gaussian would remove the residual gap). Where a setting would break one, the config refuses it
 (fedbus.node.config._check_dp_claims).
 
 record (privacy.dp = "record", prototype algorithms; `dp_prototypes`)
@@ -254,16 +255,60 @@ def record_noise_multiplier(z: float) -> float:
     return float(z) / math.sqrt(2.0)
 
 
-def _rng(seed: int | None) -> np.random.Generator:
-    """numpy's PCG64 seeded by SeedSequence([seed, tag]); seed None: 128 bits of fresh OS
-    entropy (SeedSequence draws them with `secrets`, the kernel's CSPRNG), for noise no
-    one can recompute."""
-    if seed is None:
-        return np.random.default_rng(np.random.SeedSequence())
-    seed = int(seed)
-    if seed < 0:
-        raise ValueError(f"a noise seed is a non-negative integer, got {seed}")
-    return np.random.default_rng(np.random.SeedSequence([seed, _NOISE_TAG]))
+class CryptoGaussian:
+    """Gaussian noise from a cryptographic stream, hardened against the floating-point attack.
+
+    Uniforms: ChaCha20's keystream (the `cryptography` package) under a 256-bit key, 53 bits
+    per double; Gaussians: Box-Muller in float64. A reader of the noisy output cannot predict
+    or recompute the stream without the key (numpy's PCG64, used before, is a statistical
+    generator: its state follows from enough of its output). Each value returned is
+    (g1 + g2 + g3 + g4) / 2 of four independent N(0, std^2) draws: Holohan and Braghin,
+    "Secure random sampling in differential privacy" (ESORICS 2021), section 5.1, n = 2 —
+    Opacus's `secure_mode` does the same — so the low-bit gaps of one floating-point Gaussian
+    that Jin et al. (S&P 2022) exploit no longer identify the value added (an attack's cost
+    2^(53 (2n - 1)) = 2^159). It is still floating point, not a discrete Gaussian: the
+    residual gap is that paper's, stated in SECURITY.md.
+
+    seed None: a fresh key from `secrets` (the kernel's CSPRNG), noise no one can recompute;
+    an integer: the key is SHA-256 of the seed and a tag, for `dp_noise = "seeded"`
+    simulations (the same seed and shapes give the same noise)."""
+
+    _NONCE = bytes(16)  # one key, one stream: a key is never reused with another nonce
+
+    def __init__(self, seed: int | None):
+        import hashlib
+        import secrets
+
+        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+
+        if seed is None:
+            key = secrets.token_bytes(32)
+        else:
+            seed = int(seed)
+            if seed < 0:
+                raise ValueError(f"a noise seed is a non-negative integer, got {seed}")
+            key = hashlib.sha256(b"fedbus dp noise %d %d" % (_NOISE_TAG, seed)).digest()
+        self._stream = Cipher(algorithms.ChaCha20(key, self._NONCE), mode=None).encryptor()
+
+    def _uniform(self, n: int) -> np.ndarray:
+        """n doubles in (0, 1]: 53 random bits each, never 0 (Box-Muller takes a log)."""
+        words = np.frombuffer(self._stream.update(bytes(8 * n)), dtype="<u8")
+        return ((words >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0 ** -53
+
+    def normal(self, loc: float, scale: float, size: int | tuple[int, ...]) -> np.ndarray:
+        """float64 N(loc, scale^2) values shaped `size` (the four-draw sum above)."""
+        shape = (size,) if isinstance(size, int) else tuple(size)
+        n = math.prod(shape)
+        r = np.sqrt(-2.0 * np.log(self._uniform(2 * n)))  # Box-Muller: 2n pairs, 4n draws
+        theta = self._uniform(2 * n)
+        theta *= 2.0 * math.pi
+        draws = np.concatenate([r * np.cos(theta), r * np.sin(theta)]).reshape(4, n)
+        return (loc + float(scale) * draws.sum(axis=0) / 2.0).reshape(shape)
+
+
+def _rng(seed: int | None) -> CryptoGaussian:
+    """The noise source of every DP release here (CryptoGaussian)."""
+    return CryptoGaussian(seed)
 
 
 def secagg_clip_margin(length: int, frac_bits: int) -> float:
