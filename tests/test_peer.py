@@ -149,9 +149,11 @@ def test_resend_after_reconnect_exactly_once(broker_proc):
     server.close()
 
 
-# A client node whose application thread sleeps, then spins in pure Python, for much longer
-# than heartbeat x liveness; it must stay registered because heartbeats come from the I/O
-# thread.
+# A client node whose application thread waits (the GIL released), then spins in pure
+# Python (holding it), each for as long as its I/O thread takes to send `beats` heartbeats:
+# at least (beats - 1) x heartbeat_s apart, so each phase outlasts the broker's silence
+# limit by the node's own heartbeats, not by a number of seconds that a slow machine would
+# make too short. The node must stay registered because heartbeats come from the I/O thread.
 BUSY_NODE = r"""
 import json, sys, time
 cfg = json.loads(sys.argv[1])
@@ -160,13 +162,21 @@ from fedbus.broker.peer import Peer
 configure_logging(level="info", console=False)
 p = Peer(cfg["endpoint"], "busy", role="client", addresses=["c9"], heartbeat_s=cfg["hb"],
          liveness=cfg["liveness"])
+beats = [0]
+send_control = p._send_control
+def counted(kind, *args, **kw):
+    beats[0] += kind == "heartbeat"
+    return send_control(kind, *args, **kw)
+p._send_control = counted
 p.start(60)
 print(json.dumps({"event": "ready"}), flush=True)
-time.sleep(cfg["busy_s"])           # e.g. waiting on a GPU
-t = time.monotonic(); x = 0
-while time.monotonic() - t < cfg["busy_s"]:   # holding the GIL in Python code
+until = beats[0] + cfg["beats"]
+while beats[0] < until:             # e.g. waiting on a GPU
+    time.sleep(0.01)
+until, x = beats[0] + cfg["beats"], 0
+while beats[0] < until:             # holding the GIL in Python code
     x += 1
-p.send("update", "server", {"alive": True, "spins": x})
+p.send("update", "server", {"alive": True, "spins": x, "beats": beats[0]})
 print(json.dumps({"event": "sent"}), flush=True)
 m = p.recv(60)
 p.close(2)
@@ -175,19 +185,20 @@ print(json.dumps({"event": "closed"}), flush=True)
 
 
 def test_heartbeats_continue_while_the_app_thread_is_busy(tcp_endpoint, broker_proc, spawn_py):
-    # silence limit 1 s, busy for 4 s in all: a margin for a loaded machine's scheduling of
-    # the I/O thread, which alone sends the heartbeats
-    hb, liveness, busy_s = 0.25, 4, 2.0
+    # silence limit 2 s: no scheduler stall of a live process on a loaded machine reaches it;
+    # each busy phase lasts liveness + 2 heartbeats, (liveness + 1) x 0.2 s at the least
+    hb, liveness = 0.2, 10
     broker = broker_proc(tcp_endpoint, heartbeat_s=hb, liveness=liveness)
     server = Peer(tcp_endpoint, "srv", role="server", heartbeat_s=hb, liveness=liveness)
     server.start(60)
     proc = spawn_py(BUSY_NODE, {"endpoint": tcp_endpoint, "hb": hb, "liveness": liveness,
-                                "busy_s": busy_s}, name="busy")
+                                "beats": liveness + 2}, name="busy")
     proc.expect("ready", timeout=60)
     recv_kind(server, "join")
     others: list[Message] = []
-    m = recv_kind(server, "update", timeout=60, others=others)
+    m = recv_kind(server, "update", timeout=120, others=others)
     assert m.src == "c9" and m.body["alive"] is True and m.body["spins"] > 0
+    assert m.body["beats"] >= 2 * (liveness + 2)
     assert not [o for o in others if o.kind == "leave"], others
     assert broker.events("node purged") == []
     server.send("shutdown", "busy", None)
