@@ -38,18 +38,19 @@ Where a secure round's time goes: its phases, from the times the server logged e
 message (RUN/messages.jsonl; "in" when taken, "out" when sent), medians over the rounds
 after the first:
   close prev    the previous round's close up to this round's first task; under secure
-                aggregation that is the server unmasking the previous round: one Shamir
-                combine per survivor to rebuild its self-mask seed (pycryptodome's
-                Shamir is pure Python: ~6 ms a combine at t = 7, ~28 ms at t = 22 on
-                this kind of machine, so ~30 s for 1,000 survivors), one ChaCha20
-                stream per survivor, then the aggregation and the next round's set-up.
+                aggregation that is the server unmasking the previous round: rebuilding
+                every survivor's self-mask seed (one numpy product per set of share
+                indices, node/privacy/shamir.py: ~10 ms for 1,000 seeds; pycryptodome's
+                GF(2^128) Shamir, before issue 43, took ~28 ms a seed at t = 22), one
+                ChaCha20 stream per survivor, then the aggregation and the next round's
+                set-up.
                 (The engine stamps a round's close before that work: it lands in the
                 next round's `round_s`, and the last round's in none.)
   tasks         first task sent to last task sent.
   keys          to the last client's two X25519 public keys in.
   peers         the server fixes the neighbour graph and sends each its peers.
   shares        to the last client's encrypted shares in: each client's 2k key
-                agreements, two Shamir splits t-of-(k+1) and k AES-GCM encryptions
+                agreements, one Shamir split of both seeds and k AES-GCM encryptions
                 (the clients' heaviest step; the nodes share the machine's cores).
   masking       the server sends each client which of its peers sent shares.
   inputs        to the last masked input in (plain: the last update): each client's
@@ -62,8 +63,10 @@ after the first:
 Each step is a round trip through the broker on top of the plain task/update pair: the
 secure round makes four (keys, shares, masked input, reveal) where the plain one makes one.
 
-The default invocation (5 rounds a run) took 5.5 minutes on a shared 2-core machine, most
-of it the secure run of 1,000 clients (~50 s a round: ~30 s of unmasking, ~18 s of shares).
+The default invocation (5 rounds a run) took 5.5 minutes on a shared 2-core machine with
+pycryptodome's Shamir, most of it the secure run of 1,000 clients (~50 s a round: ~30 s of
+unmasking, ~18 s of shares); with the prime-field sharing (issue 43) a secure round of 1,000
+clients takes ~10 s (~4 s of shares, 0.3 s of unmasking).
 
 --dropout-clients N: N clients (spread over the cohort) drop after sending their masked
 input (`[system] drop_clients`, `drop_stage = "input"`); in the plain run the same clients
@@ -107,7 +110,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cohort sizes, comma-separated (default 10,100,1000)")
     p.add_argument("--rounds", type=int, default=5,
                    help="rounds of each run (default 5; the first is reported apart; a "
-                   "secure round of 1,000 clients takes about a minute on 2 cores)")
+                   "secure round of 1,000 clients takes about 10 s on 2 cores)")
     p.add_argument("--nodes", type=int, default=4, help="node processes (default 4)")
     p.add_argument("--neighbours", type=int, default=0,
                    help="privacy.secagg_neighbours (default 0: auto, every other client up "

@@ -73,9 +73,15 @@ def measure(t: int, n: int, seeds: int, patterns: int, repeats: int) -> dict[str
 
 
 def main_args(args: argparse.Namespace) -> int:
+    import importlib.util
     import math
     import sys
 
+    if importlib.util.find_spec("Crypto") is None:
+        # secure aggregation no longer needs it; only this comparison does
+        print("fedbus bench shamir: the pycryptodome reference is not installed: "
+              "pip install 'fedbus[bench]'", file=sys.stderr)
+        return 2
     try:
         ts = [int(x) for x in args.thresholds.split(",") if x.strip()]
     except ValueError:

@@ -31,7 +31,7 @@ import pytest
 # Test modules that import the privacy extra at their top. Where it is missing (a lent GPU
 # machine, a user's base install plus pytest) they are left out and named in the header rather
 # than stopping collection; under CI, which installs .[dev], a missing extra stays an error.
-PRIVACY_MODULES = ("dp_accounting", "Crypto")
+PRIVACY_MODULES = ("dp_accounting", "cryptography")
 NEEDS_PRIVACY = ("test_dp.py", "test_dp_sgd.py", "test_privacy_runs.py", "test_secagg.py")
 _missing = [m for m in PRIVACY_MODULES if importlib.util.find_spec(m) is None]
 collect_ignore = [] if os.environ.get("CI") or not _missing else list(NEEDS_PRIVACY)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from fedbus.node.privacy import secagg, shamir
 from fedbus.node.privacy.secagg import (
     ClientSession,
     RingParams,
@@ -45,10 +47,11 @@ def encoded_sum(inputs: dict[int, np.ndarray], ring: RingParams) -> np.ndarray:
 
 def run_round(n: int, *, length: int = 40, neighbours: int = 0, dropout: float = 0.3,
               seed: int = 7, drop_after_keys=(), drop_after_shares=(), drop_after_input=(),
-              relay=(), close_shares: bool = False):
+              relay=(), close_shares: bool = False, lie=None):
     """Clients and a server through steps 1-5; returns (server, clients, inputs, reveals).
     drop_after_keys: send keys, never shares; drop_after_shares: shares but no input;
-    drop_after_input: masked input but no reveal; relay: members pre-added by a relay."""
+    drop_after_input: masked input but no reveal; relay: members pre-added by a relay;
+    lie(u, reveal) -> the reveal client u sends instead of its own."""
     rng = np.random.default_rng(seed)
     ids = [100 + 3 * i for i in range(n)]  # ids need not be contiguous
     ring = RingParams.for_cohort(RANGE, FRAC, n)
@@ -85,6 +88,8 @@ def run_round(n: int, *, length: int = 40, neighbours: int = 0, dropout: float =
         if u in drop_after_input:
             continue
         reveals[u] = clients[u].on_unmask(req["survivors"], req["dropped"], req["ciphertexts"])
+        if lie is not None:
+            reveals[u] = lie(u, reveals[u])
         server.add_reveal(u, reveals[u]["b"], reveals[u]["s"])
     return server, clients, inputs, reveals
 
@@ -291,6 +296,97 @@ def test_masked_input_is_uncorrelated_with_plaintext():
     assert abs(np.corrcoef(seen, x)[0, 1]) < 0.1
     with pytest.raises(SecAggError, match="already masked"):
         c.mask(x)
+
+
+# --------------------------------------------------------------------------- shares
+
+
+def _wrong_share(rng: np.random.Generator) -> bytes:
+    # well-formed (field elements, the right length): only its consistency gives it away
+    return rng.integers(0, shamir.P, shamir.CHUNKS).astype("<u4").tobytes()
+
+
+def test_shares_on_the_wire_are_prime_field_shares_that_rebuild_the_seeds():
+    """The ciphertexts carry shamir.py's byte format (a b-share and an s-share of
+    SHARE_BYTES each, at the holder's place among the sorted holders); any t of a client's
+    revealed b-shares rebuild its self-mask seed."""
+    server, clients, reqs = masked_clients(5)
+    ids, t = ids_of(5), server.stats()["t"]
+    assert t == 4 and secagg.SHARE_BYTES == shamir.SHARE_BYTES
+    assert {len(ct) for req in reqs.values() for ct in req["ciphertexts"].values()} == \
+        {secagg.NONCE_BYTES + 2 * shamir.SHARE_BYTES + 16}
+    reveals = {u: clients[u].on_unmask(r["survivors"], r["dropped"], r["ciphertexts"])
+               for u, r in reqs.items()}
+    owner = ids[1]
+    shares = np.stack([[shamir.share_from_bytes(reveals[h]["b"][owner])] for h in ids])
+    for pick in ([0, 1, 2, 3], [1, 2, 3, 4], [0, 2, 3, 4]):
+        # the seed is the client's secret: read here only to check what its shares rebuild
+        assert shamir.combine(pick, shares[pick]) == [clients[owner]._b_seed]
+    for u, rev in reveals.items():
+        server.add_reveal(u, rev["b"], rev["s"])
+    np.testing.assert_array_equal(server.unmask(), np.full(8, 5.0))
+
+
+def test_a_revealed_share_of_the_wrong_size_or_outside_the_field_is_refused_naming_its_sender():
+    server, clients, reqs = masked_clients(4)
+    ids = ids_of(4)
+    u, v = ids[0], ids[1]
+    revs = {w: clients[w].on_unmask(r["survivors"], r["dropped"], r["ciphertexts"])
+            for w, r in reqs.items()}
+    b = revs[u]["b"]
+    outside = np.full(shamir.CHUNKS, shamir.P, dtype="<u4").tobytes()  # p: one past the field
+    with pytest.raises(SecAggError, match=f"client {u}'s b-share of {v} holds a value "
+                                          f"outside the field"):
+        server.add_reveal(u, {**b, v: outside}, {})
+    with pytest.raises(SecAggError, match=f"client {u}'s b-share of {v} must be "
+                                          f"{shamir.SHARE_BYTES} bytes, got 16"):
+        server.add_reveal(u, {**b, v: b[v][:16]}, {})
+    # a refused reveal takes nothing: the sender's real one still counts
+    for w, rev in revs.items():
+        server.add_reveal(w, rev["b"], rev["s"])
+    np.testing.assert_array_equal(server.unmask(), np.full(8, 4.0))
+
+
+def test_a_peer_share_outside_the_field_is_refused_naming_the_peer():
+    _, clients, reqs = masked_clients(4)
+    me, sender = ids_of(4)[0], ids_of(4)[2]
+    req = reqs[me]
+    # what a hostile peer could encrypt: an authentic pair of shares holding the value p
+    nonce = bytes(secagg.NONCE_BYTES)
+    plain = np.full(2 * shamir.CHUNKS, shamir.P, dtype="<u4").tobytes()
+    ct = nonce + AESGCM(clients[sender]._share_keys[me]).encrypt(
+        nonce, plain, secagg._share_aad(sender, me, CTX))
+    with pytest.raises(SecAggError, match=f"client {me}: the share client {sender} sent holds "
+                                          f"a value outside the field"):
+        clients[me].on_unmask(req["survivors"], req["dropped"],
+                              {**req["ciphertexts"], sender: ct})
+    # nothing was revealed, so the request as the server sent it is still answered
+    rev = clients[me].on_unmask(req["survivors"], req["dropped"], req["ciphertexts"])
+    assert sorted(rev["b"]) == ids_of(4)
+
+
+def test_a_lying_holder_is_blamed_when_seeds_come_from_different_holder_sets():
+    """30 clients on a sparse graph, two dropped before their input and two before their
+    reveal: the seeds (dropped clients' s_seeds among them) are rebuilt from several sets of
+    share indices, one product each. A holder lying in every share it reveals is found by
+    the consistency check, and the sum without its shares is exact."""
+    ids = ids_of(30)
+    liar = ids[4]
+    rng = np.random.default_rng(5)
+
+    def lie(u, rev):
+        if u != liar:
+            return rev
+        return {kind: {v: _wrong_share(rng) for v in rev[kind]} for kind in ("b", "s")}
+
+    server, _, inputs, _ = run_round(30, drop_after_shares=ids[10:12],
+                                     drop_after_input=ids[20:22], lie=lie)
+    t = server.stats()["t"]
+    check_sum(server, inputs)
+    assert list(server.blamed) == [liar]
+    patterns = {tuple(i for i, _ in shares[:t])
+                for shares in server._secrets(without={liar}).values()}
+    assert len(patterns) > 1
 
 
 # --------------------------------------------------------------------------- client refusals

@@ -18,6 +18,7 @@ from test_secure_aggregation import Clients, _config, _engine, _global, _msg, _r
 
 from fedbus.node.config import build_config
 from fedbus.node.engine import client_address
+from fedbus.node.privacy import shamir
 from fedbus.node.privacy.secagg import (
     ClientSession,
     RingParams,
@@ -455,6 +456,11 @@ def test_secure_aggregation_bounds_a_poisoners_sum_by_the_clip():
 # --------------------------------------------------------------------------- Why 7
 
 
+def _wrong_share(rng: np.random.Generator) -> bytes:
+    # well-formed (field elements, the right length), so only its consistency gives it away
+    return rng.integers(0, shamir.P, shamir.CHUNKS).astype("<u4").tobytes()
+
+
 def _ten_masked():
     ids = list(range(20, 30))  # complete graph: 10 holders, t = 7, three shares to spare
     server, clients, msgs = _keyed(ids)
@@ -477,7 +483,7 @@ def test_a_holder_revealing_wrong_shares_is_blamed_and_the_sum_is_still_exact():
         if u != liar:
             return None
         rev = clients[u].on_unmask(req["survivors"], req["dropped"], req["ciphertexts"])
-        return {"b": {v: rng.bytes(16) for v in rev["b"]}, "s": rev["s"]}
+        return {"b": {v: _wrong_share(rng) for v in rev["b"]}, "s": rev["s"]}
 
     got = _finish(server, clients, inputs, told, reveal=lie)
     np.testing.assert_allclose(got, _want(inputs, server.ring), rtol=0, atol=1e-12)
@@ -513,7 +519,7 @@ def test_an_engine_round_with_a_lying_holder_aggregates_and_records_the_blame():
     def lie(dst, rev):
         if dst != "c0":
             return rev
-        return {**rev, "b": {a: rng.bytes(16) for a in rev["b"]}}
+        return {**rev, "b": {a: _wrong_share(rng) for a in rev["b"]}}
 
     _round_with(engine, cfg, tasks, reveal_of=lie)
     rec = _record(engine)

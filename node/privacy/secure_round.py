@@ -391,7 +391,7 @@ def privacy_refusal(cfg: Any) -> str | None:
     aggregation's conditions (secagg_refusal), its ring (range x cohort x 2^frac_bits must
     fit 64 bits), and the DP mechanism's (fedbus.node.privacy.dp.dp_refusal)."""
     privacy = cfg.privacy
-    for wanted, modules in ((privacy.secure_aggregation, ("cryptography", "Crypto")),
+    for wanted, modules in ((privacy.secure_aggregation, ("cryptography",)),
                             (privacy.dp != "off", ("dp_accounting",))):
         for module in modules if wanted else ():
             try:
