@@ -321,8 +321,7 @@ class ClientNode:
         body = msg.body
         client = client_index(msg.dst)
         if self.states is not None:  # before the update leaves (client_state: the rule)
-            self.states.save(client, msg.round, handler.state_dict(),
-                             witness=[p.grad for p in handler.ctx.model.parameters()])
+            self.states.save_client(client, msg.round, handler)
         bad = non_finite(update["payload"])
         if bad:  # sent all the same: the server rejects it and ends this task at once
             log.warning("update not finite: the client's model diverged", client=client,

@@ -32,9 +32,11 @@ the relay's tasks, not the node's; so the write stays before the send.
 
 What is not written, as no resume can need it: a state unchanged since the client's newest
 file (Fingerprint: torch's change counters, no bytes read; the no-op clients that `fedbus
-bench rounds` runs, whose model never changes, write once per run), since a resume
-restores that file, the same state; an empty state while the client has no
-file, since restoring nothing leaves it in that same initial state; and anything in a run
+bench rounds` runs, whose model never changes, write once per run; a handler's live
+model, optimizer and extra state are marked without building its state first,
+live_mark), since a resume restores that file, the same state; an empty state while the
+client has no file, since restoring nothing leaves it in that same initial state; and
+anything in a run
 that cannot resume its clients (`fedbus run --no-client-state`, `fedbus node --state-dir
 none`: the node makes no store). `written_by_round` and `skipped` count what was done,
 logged by the node as it stops ("client states").
@@ -52,6 +54,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from fedbus.algorithms.core.handlers import ClientHandler
 
 _NAME = re.compile(r"client-(\d+)-r(\d+)\.pt$")
 
@@ -81,6 +85,7 @@ class ClientStateStore:
         self.written_by_round: Counter[int] = Counter()  # files this store wrote, by round
         self.skipped = 0  # states not written: a resume gets the same without (save's rule)
         self._newest: dict[int, Fingerprint] = {}  # client -> what its newest file holds
+        self._live: dict[int, Fingerprint] = {}  # client -> live_mark at its newest file
         for f in self.path.iterdir():
             m = _NAME.fullmatch(f.name)
             if m:
@@ -120,6 +125,25 @@ class ClientStateStore:
         self.written_by_round[round_] += 1
         return True
 
+    def save_client(self, client: int, round_: int, handler: ClientHandler) -> bool:
+        """save() the handler's state_dict(), its model's gradients the witness; without
+        building that state when the handler's live model, optimizer and extra state are
+        as they were when the client's newest file was written or found the same
+        (live_mark): a node asks after every task, and building a state costs more than
+        the task of a client whose state never changes. Returns whether a file was
+        written."""
+        live = live_mark(handler)
+        if live is not None and client in self._newest and live.same(self._live.get(client)):
+            self.skipped += 1
+            return False
+        written = self.save(client, round_, handler.state_dict(),
+                            witness=[p.grad for p in handler.ctx.model.parameters()])
+        if live is not None and client in self._newest:  # the newest file holds this state
+            self._live[client] = live
+        else:
+            self._live.pop(client, None)
+        return written
+
     def newest_before(self, client: int, cutoff: int) -> int | None:
         """The round of the client's newest saved state before round `cutoff`, or None."""
         rounds = [r for r in self.saved.get(client, []) if r < cutoff]
@@ -140,6 +164,7 @@ class ClientStateStore:
         run's folder once it is empty."""
         for client in clients:
             self._newest.pop(client, None)
+            self._live.pop(client, None)
             for round_ in self.saved.pop(client, []):
                 self._file(client, round_).unlink(missing_ok=True)
         if self._mark is not None:
@@ -165,24 +190,39 @@ class Fingerprint:
     not, without reading the state's bytes: each tensor by its storage (held by a weak
     reference, so the same live storage, never a freed one whose address came back), its
     offset, shape, stride, dtype and torch's version counter, which every in-place change
-    torch makes bumps (an optimizer step, load_state_dict, a copy_ under no_grad); every
-    other value (numpy arrays, numbers, the structure) by a digest of its contents.
-    `witness` adds tensors that change when a task trains without being part of the state
-    (the model's gradients). Not seen: a change written behind torch's counter (through
-    `.data` or a numpy view of a tensor) in a task that leaves every gradient as it was."""
+    torch makes bumps (an optimizer step, load_state_dict, a copy_ under no_grad); numpy
+    arrays by a digest of their bytes; every other value (numbers, strings, the structure)
+    as itself or its exact bits, with its type, compared with ==. `witness` adds tensors
+    that change when a task trains without being part of the state (the model's
+    gradients). Not seen: a change written behind torch's counter (through `.data` or a
+    numpy view of a tensor) in a task that leaves every gradient as it was.
+
+    The structure is a flat list (each value its type, then a container's length and
+    items), compared in one C-level ==: a node checks every task's state of every client,
+    so this is on the message path (a sha1 of each value's repr cost 4x more)."""
 
     __slots__ = ("tensors", "values")
 
     def __init__(self, state: Any, witness: Any = None):
         tensors: list[torch.Tensor] = []
-        h = hashlib.sha1(usedforsecurity=False)
-        _feed(h, (state, witness), tensors)
-        self.values = h.digest()
+        values: list[Any] = []
+        _flatten((state, witness), values, tensors)
+        self.values = values
         self.tensors = [_tensor_mark(t) for t in tensors]
 
+    @classmethod
+    def of_parts(cls, values: list, tensors: list[torch.Tensor]) -> Fingerprint:
+        """A fingerprint of values and tensors already flattened (live_mark)."""
+        mark = cls.__new__(cls)
+        mark.values = values
+        seen: dict[int, tuple | None] = {}  # a parameter is in the model and the optimizer
+        mark.tensors = [seen[id(t)] if id(t) in seen else seen.setdefault(id(t), _tensor_mark(t))
+                        for t in tensors]
+        return mark
+
     def same(self, other: Fingerprint | None) -> bool:
-        return other is not None and self.values == other.values and \
-            len(self.tensors) == len(other.tensors) and \
+        return other is not None and len(self.tensors) == len(other.tensors) and \
+            self.values == other.values and \
             all(a is not None and b is not None and a[0]() is b[0]() and a[1:] == b[1:]
                 for a, b in zip(self.tensors, other.tensors))
 
@@ -196,27 +236,129 @@ def _tensor_mark(t: torch.Tensor) -> tuple | None:
         return None
 
 
-def _feed(h, value: Any, tensors: list) -> None:
-    if isinstance(value, torch.Tensor):
-        h.update(b"T")
+# Values kept as themselves, with their type beside them (1, 1.0 and True are ==); floats
+# as their hex, which tells -0.0 from 0.0 and is equal for a NaN.
+_EXACT_TYPES = frozenset((bool, int, str, bytes, type(None), torch.dtype, torch.device))
+_EXACT = (bool, int, str, bytes, torch.dtype, torch.device)
+_MAPPING, _TENSOR, _ARRAY = object(), object(), object()  # markers no value can equal
+
+
+def _flatten(value: Any, out: list, tensors: list) -> None:
+    kind = type(value)
+    if kind in _EXACT_TYPES:  # the common leaves first: an optimizer's hyperparameters
+        out.append(kind)
+        out.append(value)
+    elif kind is float:
+        out.append(float)
+        out.append(value.hex())
+    elif isinstance(value, torch.Tensor):
+        out.append(_TENSOR)
         tensors.append(value)
-    elif isinstance(value, np.ndarray) and value.dtype != object:
-        h.update(f"A{value.dtype}{value.shape}".encode())
-        h.update(np.ascontiguousarray(value).reshape(-1).view(np.uint8))
     elif isinstance(value, Mapping):
-        h.update(b"{%d" % len(value))
+        out.append(_MAPPING)
+        out.append(len(value))
         for k, v in value.items():
-            _feed(h, k, tensors)
-            _feed(h, v, tensors)
+            if type(k) is str:  # a call less for the common key
+                out.append(str)
+                out.append(k)
+            else:
+                _flatten(k, out, tensors)
+            if type(v) in _EXACT_TYPES:
+                out.append(type(v))
+                out.append(v)
+            else:
+                _flatten(v, out, tensors)
     elif isinstance(value, (list, tuple)):
-        h.update(b"[%d" % len(value) if isinstance(value, list) else b"(%d" % len(value))
+        out.append(list if isinstance(value, list) else tuple)
+        out.append(len(value))
         for v in value:
-            _feed(h, v, tensors)
-    elif value is None or isinstance(value, (bool, int, float, complex, str, bytes,
-                                             np.generic, torch.dtype, torch.device)):
-        h.update(repr((type(value).__name__, value)).encode())
+            if isinstance(v, torch.Tensor):  # a call less for a param group's parameters
+                out.append(_TENSOR)
+                tensors.append(v)
+            else:
+                _flatten(v, out, tensors)
+    elif isinstance(value, np.ndarray) and value.dtype != object:
+        digest = hashlib.sha1(np.ascontiguousarray(value).reshape(-1).view(np.uint8),
+                              usedforsecurity=False).digest()
+        out.append(_ARRAY)
+        out.append((value.dtype, value.shape, digest))
+    elif isinstance(value, np.generic):  # its bits (a numpy float's -0.0, NaN)
+        out.append(kind)
+        out.append(value.tobytes())
+    elif isinstance(value, float):
+        out.append(kind)
+        out.append(float.hex(value))
+    elif isinstance(value, complex):
+        out.append(kind)
+        out.append((value.real.hex(), value.imag.hex()))
+    elif isinstance(value, _EXACT):
+        out.append(kind)
+        out.append(value)
     else:  # a repr may not show all of an object: count it as changed, and write
-        h.update(os.urandom(16))
+        out.append(object())
+
+
+def live_mark(handler: ClientHandler) -> Fingerprint | None:
+    """A Fingerprint of what ClientHandler.state_dict() and the gradients witness would
+    hold, read from the live objects without building that state: each module of the
+    model (its type, names, parameters with their gradients, buffers, children, in
+    state_dict's order), the optimizer's param groups and state, and extra_state(). Same
+    marks, same state: a state_dict holds detached views of these very tensors, which
+    share their storage and version counter. None where a state could hold more than
+    that: a handler or optimizer with its own state_dict, a module with its own
+    _save_to_state_dict or get_extra_state, or state-dict hooks (save_client then
+    fingerprints the built state)."""
+    if type(handler).state_dict is not ClientHandler.state_dict:
+        return None
+    optimizer = getattr(handler, "optimizer", None)
+    if not isinstance(optimizer, torch.optim.Optimizer) or \
+            type(optimizer).state_dict is not torch.optim.Optimizer.state_dict or \
+            optimizer._optimizer_state_dict_pre_hooks or \
+            optimizer._optimizer_state_dict_post_hooks:
+        return None
+    values: list[Any] = []
+    tensors: list[torch.Tensor] = []
+    if not _walk_module(handler.ctx.model, values, tensors):
+        return None
+    _flatten((optimizer.param_groups, optimizer.state, handler.extra_state()), values, tensors)
+    return Fingerprint.of_parts(values, tensors)
+
+
+_Module = torch.nn.Module
+
+
+def _walk_module(module: torch.nn.Module, out: list, tensors: list) -> bool:
+    """Flatten what Module.state_dict would hold of `module` and its children (and each
+    parameter's gradient); False if it could hold more (live_mark)."""
+    kind = type(module)
+    if kind.state_dict is not _Module.state_dict or \
+            kind._save_to_state_dict is not _Module._save_to_state_dict or \
+            getattr(kind, "get_extra_state", _Module.get_extra_state) is not \
+            _Module.get_extra_state or \
+            module._state_dict_hooks or module._state_dict_pre_hooks:
+        return False
+    params, buffers, children = module._parameters, module._buffers, module._modules
+    out.append(kind)
+    out.append(len(params))
+    for name, param in params.items():
+        out.append(name)
+        _flatten(param, out, tensors)
+        if param is not None:
+            _flatten(param.grad, out, tensors)
+    out.append(len(buffers))
+    skipped = module._non_persistent_buffers_set
+    for name, buf in buffers.items():
+        out.append(name)
+        out.append(name in skipped)
+        _flatten(buf, out, tensors)
+    out.append(len(children))
+    for name, child in children.items():
+        out.append(name)
+        if child is None:
+            out.append(None)
+        elif not _walk_module(child, out, tensors):
+            return False
+    return True
 
 
 def last_run(root: str | Path | None, clients: list[int], node: str) -> str:

@@ -132,3 +132,23 @@ def test_the_fingerprint_tells_every_change_torch_counts():
 
     kept = Opaque()
     assert not Fingerprint({"o": kept}).same(Fingerprint({"o": kept}))
+
+
+def test_the_fingerprint_tells_values_apart_by_type_and_exact_bits():
+    def same(a, b):
+        return Fingerprint(a).same(Fingerprint(b))
+
+    assert same({"lr": 0.1, "n": 3, "s": "x", "t": (1, None)},
+                {"lr": 0.1, "n": 3, "s": "x", "t": (1, None)})
+    assert same({"best": float("nan")}, {"best": float("nan")})  # NaN: no write each task
+    for a, b in [(1, 1.0), (1, True), (0.0, -0.0), (np.float32(0.0), np.float32(-0.0)),
+                 (np.float32(1), np.float64(1)), (np.float64(1.0), 1.0), ([1], (1,)),
+                 ({"a": [1, 2]}, {"a": [[1], 2]}), ({"a": 1, "b": 2}, {"b": 2, "a": 1}),
+                 ([1, [2]], [[1], 2]), (torch.float32, torch.float64), ("1", b"1"),
+                 (np.zeros(4, np.float32), np.zeros(2, np.float64)),
+                 (np.zeros((2, 2)), np.zeros(4)), (1 + 2j, 1 - 2j)]:
+        assert not same(a, b), (a, b)
+    kept = np.zeros(3)
+    before = Fingerprint({"proto": kept})
+    kept[1] = 2.0  # numpy has no change counter: its bytes are read
+    assert not Fingerprint({"proto": kept}).same(before)
