@@ -36,9 +36,8 @@ bench rounds` runs, whose model never changes, write once per run; a handler's l
 model, optimizer and extra state are marked without building its state first,
 live_mark), since a resume restores that file, the same state; an empty state while the
 client has no file, since restoring nothing leaves it in that same initial state; and
-anything in a run
-that cannot resume its clients (`fedbus run --no-client-state`, `fedbus node --state-dir
-none`: the node makes no store). `written_by_round` and `skipped` count what was done,
+anything in a run that cannot resume its clients (`fedbus run --no-client-state`, `fedbus
+node --state-dir none`: the node makes no store). `written_by_round` and `skipped` count what was done,
 logged by the node as it stops ("client states").
 """
 from __future__ import annotations
@@ -208,23 +207,33 @@ class Fingerprint:
         values: list[Any] = []
         _flatten((state, witness), values, tensors)
         self.values = values
-        self.tensors = [_tensor_mark(t) for t in tensors]
+        self.tensors = _marks(tensors)
 
     @classmethod
     def of_parts(cls, values: list, tensors: list[torch.Tensor]) -> Fingerprint:
         """A fingerprint of values and tensors already flattened (live_mark)."""
         mark = cls.__new__(cls)
         mark.values = values
-        seen: dict[int, tuple | None] = {}  # a parameter is in the model and the optimizer
-        mark.tensors = [seen[id(t)] if id(t) in seen else seen.setdefault(id(t), _tensor_mark(t))
-                        for t in tensors]
+        mark.tensors = _marks(tensors)
         return mark
 
     def same(self, other: Fingerprint | None) -> bool:
-        return other is not None and len(self.tensors) == len(other.tensors) and \
-            self.values == other.values and \
-            all(a is not None and b is not None and a[0]() is b[0]() and a[1:] == b[1:]
-                for a, b in zip(self.tensors, other.tensors))
+        # weak references are == while both storages live and are the same object
+        return other is not None and self.tensors is not None and \
+            other.tensors is not None and self.values == other.values and \
+            self.tensors == other.tensors
+
+
+def _marks(tensors: list[torch.Tensor]) -> list[tuple] | None:
+    """Each tensor's _tensor_mark; None (never the same) if one has none."""
+    seen: dict[int, tuple | None] = {}  # a parameter is in the model and the optimizer
+    marks = []
+    for t in tensors:
+        mark = seen[id(t)] if id(t) in seen else seen.setdefault(id(t), _tensor_mark(t))
+        if mark is None:
+            return None
+        marks.append(mark)
+    return marks
 
 
 def _tensor_mark(t: torch.Tensor) -> tuple | None:
@@ -266,6 +275,9 @@ def _flatten(value: Any, out: list, tensors: list) -> None:
             if type(v) in _EXACT_TYPES:
                 out.append(type(v))
                 out.append(v)
+            elif type(v) is float:
+                out.append(float)
+                out.append(v.hex())
             else:
                 _flatten(v, out, tensors)
     elif isinstance(value, (list, tuple)):
@@ -325,32 +337,49 @@ def live_mark(handler: ClientHandler) -> Fingerprint | None:
 
 
 _Module = torch.nn.Module
+_PLAIN_MODULES: dict[type, bool] = {}  # module class -> its state is Module's own
+
+
+def _plain_module(kind: type) -> bool:
+    plain = _PLAIN_MODULES.get(kind)
+    if plain is None:
+        plain = _PLAIN_MODULES[kind] = (
+            kind.state_dict is _Module.state_dict and
+            kind._save_to_state_dict is _Module._save_to_state_dict and
+            getattr(kind, "get_extra_state", _Module.get_extra_state) is
+            _Module.get_extra_state)
+    return plain
 
 
 def _walk_module(module: torch.nn.Module, out: list, tensors: list) -> bool:
     """Flatten what Module.state_dict would hold of `module` and its children (and each
     parameter's gradient); False if it could hold more (live_mark)."""
     kind = type(module)
-    if kind.state_dict is not _Module.state_dict or \
-            kind._save_to_state_dict is not _Module._save_to_state_dict or \
-            getattr(kind, "get_extra_state", _Module.get_extra_state) is not \
-            _Module.get_extra_state or \
-            module._state_dict_hooks or module._state_dict_pre_hooks:
+    if not _plain_module(kind) or module._state_dict_hooks or module._state_dict_pre_hooks:
         return False
     params, buffers, children = module._parameters, module._buffers, module._modules
     out.append(kind)
     out.append(len(params))
     for name, param in params.items():
         out.append(name)
-        _flatten(param, out, tensors)
-        if param is not None:
-            _flatten(param.grad, out, tensors)
+        if param is None:
+            out.append(None)
+            continue
+        out.append(_TENSOR)
+        tensors.append(param)
+        grad = param.grad
+        if grad is None:
+            out.append(None)
+        else:
+            out.append(_TENSOR)
+            tensors.append(grad)
     out.append(len(buffers))
-    skipped = module._non_persistent_buffers_set
-    for name, buf in buffers.items():
-        out.append(name)
-        out.append(name in skipped)
-        _flatten(buf, out, tensors)
+    if buffers:
+        skipped = module._non_persistent_buffers_set
+        for name, buf in buffers.items():
+            out.append(name)
+            out.append(name in skipped)
+            _flatten(buf, out, tensors)
     out.append(len(children))
     for name, child in children.items():
         out.append(name)

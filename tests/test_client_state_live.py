@@ -163,3 +163,10 @@ def test_save_client_skips_only_what_the_newest_file_holds(tmp_path):
     assert store.stats()["skipped"] == 2
     # a node restarted knows no marks: its first state is written, unchanged or not
     assert ClientStateStore(tmp_path, "run1").save_client(0, 5, handler) is True
+
+
+def test_a_tensor_without_a_storage_counts_as_changed():
+    sparse = torch.eye(3).to_sparse()  # no storage to mark: written every time
+    assert not Fingerprint({"s": sparse}).same(Fingerprint({"s": sparse}))
+    dense = torch.eye(3)
+    assert Fingerprint({"d": dense}).same(Fingerprint({"d": dense}))
