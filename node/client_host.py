@@ -77,6 +77,8 @@ class ClientNode:
         # reasons for training one by one already logged
         self._pending: collections.deque = collections.deque()
         self._answered: set[str] = set()
+        # the pool whose clients' cohort_reason is known, and those reasons (fixed for a run)
+        self._cohort_known: tuple[ClientPool | None, dict[int, str | None]] = (None, {})
         self._cohort_logged: set[str] = set()
 
     def configure(self, run_id: str, raw: dict[str, Any]) -> None:
@@ -190,11 +192,17 @@ class ClientNode:
         mode = self.cfg.train.get("cohort", "auto") if self.cfg is not None else "off"
         if self.pool is None or mode == "off":
             return False
+        pool, known = self._cohort_known
+        if pool is not self.pool:  # a new run: its own models and clients
+            known = {}
+            self._cohort_known = (self.pool, known)
         try:
-            handler = self.pool.get(client_index(msg.dst))
+            client = client_index(msg.dst)
+            if client not in known:  # asked once a client: a round's every task asks
+                known[client] = cohort_reason(self.pool.get(client), mode)
         except (KeyError, IndexError):
             return False  # not hosted here: on_task answers with the error
-        return cohort_reason(handler, mode) is None
+        return known[client] is None
 
     def _gather(self, first: Message) -> list[Message]:
         """train.cohort: the task `first` and the tasks that follow it within COHORT_GATHER_S
