@@ -206,14 +206,14 @@ class Fingerprint:
         tensors: list[torch.Tensor] = []
         values: list[Any] = []
         _flatten((state, witness), values, tensors)
-        self.values = values
+        self.values = _kept(values)
         self.tensors = _marks(tensors)
 
     @classmethod
     def of_parts(cls, values: list, tensors: list[torch.Tensor]) -> Fingerprint:
         """A fingerprint of values and tensors already flattened (live_mark)."""
         mark = cls.__new__(cls)
-        mark.values = values
+        mark.values = _kept(values)
         mark.tensors = _marks(tensors)
         return mark
 
@@ -250,6 +250,26 @@ def _tensor_mark(t: torch.Tensor) -> tuple | None:
 _EXACT_TYPES = frozenset((bool, int, str, bytes, type(None), torch.dtype, torch.device))
 _EXACT = (bool, int, str, bytes, torch.dtype, torch.device)
 _MAPPING, _TENSOR, _ARRAY = object(), object(), object()  # markers no value can equal
+
+
+class _Opaque:
+    """A value whose change cannot be told: equal to nothing but itself, never kept."""
+
+    __slots__ = ()
+
+
+# Values kept as they are up to this many; a longer list (a state with many plain values)
+# is kept as its digest, so that a node's marks of 1,000s of clients stay small.
+_KEPT_VALUES = 4096
+
+
+def _kept(values: list) -> list:
+    if len(values) <= _KEPT_VALUES:
+        return values
+    if any(type(v) is _Opaque for v in values):
+        return [_Opaque()]
+    # (the markers' and types' reprs are fixed for the process, as the marks are)
+    return [hashlib.sha1(repr(values).encode(), usedforsecurity=False).digest()]
 
 
 def _flatten(value: Any, out: list, tensors: list) -> None:
@@ -307,7 +327,7 @@ def _flatten(value: Any, out: list, tensors: list) -> None:
         out.append(kind)
         out.append(value)
     else:  # a repr may not show all of an object: count it as changed, and write
-        out.append(object())
+        out.append(_Opaque())
 
 
 def live_mark(handler: ClientHandler) -> Fingerprint | None:

@@ -55,7 +55,7 @@ def _changes(handler, task):
         first.data = first.data.clone()
 
     def new_parameter():
-        name, module = next((n, m) for n, m in model.named_modules() if m._parameters)
+        module = next(m for m in model.modules() if m._parameters)
         pname = next(iter(module._parameters))
         setattr(module, pname, nn.Parameter(getattr(module, pname).detach().clone()))
 
@@ -87,7 +87,7 @@ def test_the_live_mark_changes_whenever_the_built_state_does():
 
 
 def test_the_live_mark_sees_extra_state():
-    handler, task = _client()
+    handler, _ = _client()
 
     class Kept(type(handler)):  # as FML keeps its meme model: in extra_state
         def extra_state(self):
@@ -112,7 +112,7 @@ def test_the_live_mark_sees_extra_state():
 
 
 def test_the_live_mark_gives_way_where_a_state_could_hold_more(tmp_path):
-    handler, task = _client()
+    handler, _ = _client()
     assert live_mark(handler) is not None
 
     class OwnState(type(handler)):
@@ -170,3 +170,22 @@ def test_a_tensor_without_a_storage_counts_as_changed():
     assert not Fingerprint({"s": sparse}).same(Fingerprint({"s": sparse}))
     dense = torch.eye(3)
     assert Fingerprint({"d": dense}).same(Fingerprint({"d": dense}))
+
+
+def test_a_state_of_many_plain_values_is_kept_as_a_digest():
+    history = [float(i) for i in range(10_000)]  # e.g. a handler's per-step losses
+    first = Fingerprint({"losses": history})
+    assert len(first.values) == 1  # not 10,000 values kept per client
+    assert Fingerprint({"losses": list(history)}).same(first)
+    history[5_000] = -1.0
+    assert not Fingerprint({"losses": history}).same(first)
+    history[5_000] = 5_000.0
+    assert Fingerprint({"losses": history}).same(first)
+    assert not Fingerprint({"losses": history + [-0.0]}).same(Fingerprint({"losses": history + [0.0]}))
+
+    class Opaque:
+        pass
+
+    kept = Opaque()  # its change cannot be told: never the same, even among many values
+    assert not Fingerprint({"o": kept, "losses": history}).same(
+        Fingerprint({"o": kept, "losses": history}))
