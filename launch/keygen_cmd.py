@@ -7,7 +7,11 @@
 
 Each writes DIR/NAME.key (public certificate: key, role, clients; it is the node's allow-list
 entry at the broker, and broker.key is what every node needs of the broker) and
-DIR/NAME.key_secret (mode 0600; stays on the machine that runs NAME).
+DIR/NAME.key_secret (mode 0600; stays on the machine that runs NAME). A client key also
+gets its secure-aggregation signing key (fedbus.node.privacy.identity; SECURITY.md 3a):
+DIR/NAME.sign (public: its clients and Ed25519 verification key; every client node needs
+every node's) and DIR/NAME.sign_secret (mode 0600), unless --no-signing-key (a relay's key:
+a relay signs nothing).
 """
 from __future__ import annotations
 
@@ -31,6 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", default=DEFAULT_KEYS_DIR,
                    help=f"keys folder (default {DEFAULT_KEYS_DIR}; env FEDBUS_KEYS_DIR)")
     p.add_argument("--force", action="store_true", help="replace an existing keypair")
+    p.add_argument("--no-signing-key", action="store_true",
+                   help="a client key without the secure-aggregation signing key NAME.sign "
+                        "(for a relay's key; without one, secure aggregation holds against an "
+                        "honest-but-curious server only)")
     p.add_argument("--list", action="store_true",
                    help="list the certificates in --dir: file, the name inside, role, clients, "
                         "public key; flags a name that is not the file's and a key in two "
@@ -120,6 +128,28 @@ def main(args: argparse.Namespace) -> int:
     print(f"wrote {sec} (SECRET, mode 0600: keep it on the {role}'s machine only)")
     if role == "client":
         print(f"  role client, may host: {clients}")
+        if not args.no_signing_key:
+            return _signing_key(directory, args.name, clients, args.force)
+    return 0
+
+
+def _signing_key(directory: Path, name: str, clients: str, force: bool) -> int:
+    try:
+        import cryptography  # noqa: F401
+
+        from fedbus.node.privacy.identity import IdentityError, write_signing_key
+    except ImportError:
+        print("  no signing key: the cryptography package is missing (pip install "
+              "'fedbus[privacy]'); secure aggregation holds against an honest-but-curious "
+              "server only")
+        return 0
+    try:
+        pub, sec = write_signing_key(directory, name, clients, force=force)
+    except (IdentityError, OSError) as e:
+        print(f"fedbus keygen: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {pub} (public: every client node's keys folder needs it)")
+    print(f"wrote {sec} (SECRET, mode 0600: signs its clients' secure-aggregation keys)")
     return 0
 
 

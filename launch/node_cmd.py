@@ -90,6 +90,16 @@ def main(args: argparse.Namespace) -> int:
         print(f"fedbus node: {err}", file=sys.stderr)
         return 2
     setup_logging(args, name)
+    identity = None
+    if curve is not None:  # its secure-aggregation signing key sits beside its CURVE key
+        from fedbus.launch.keygen_cmd import DEFAULT_KEYS_DIR
+        from fedbus.node.privacy.identity import IdentityError, load_identity
+
+        try:
+            identity = load_identity(args.keys_dir or DEFAULT_KEYS_DIR, name)
+        except IdentityError as err:
+            print(f"fedbus node: {err}", file=sys.stderr)
+            return 2
     try:
         clients = parse_ids(args.clients)
         device = resolve_device(args.device)
@@ -104,7 +114,7 @@ def main(args: argparse.Namespace) -> int:
                       heartbeat_s=args.heartbeat_s, liveness=args.liveness,
                       spool_dir=args.spool_dir, log_dir=args.message_log_dir,
                       state_dir=state_dir(args.state_dir),
-                      curve=curve)
+                      curve=curve, identity=identity)
     from fedbus.node.config import ConfigError
 
     try:

@@ -317,9 +317,14 @@ def run_keys(cfg, run_dir: Path, groups: list[list[int]]) -> Path:
     keys = run_dir / "keys"
     write_keypair(keys, "broker", "broker", force=True)
     write_keypair(keys, "server", "server", force=True)
+    signing = bool(cfg.privacy.secure_aggregation)
+    if signing:  # each node signs its clients' secure-aggregation keys (SECURITY.md 3a)
+        from fedbus.node.privacy.identity import write_signing_key
     for i, ids in enumerate(groups):
-        write_keypair(keys, f"node-{i}", "client", force=True,
-                      clients=format_addresses([client_address(c) for c in ids]))
+        clients = format_addresses([client_address(c) for c in ids])
+        write_keypair(keys, f"node-{i}", "client", force=True, clients=clients)
+        if signing:
+            write_signing_key(keys, f"node-{i}", clients, force=True)
     return keys
 
 

@@ -45,9 +45,11 @@ class ClientNode:
                  memory_mb: float | None = None, threads: int | None = None,
                  evict_to: str | None = None, heartbeat_s: float = 1.0, liveness: int = 3,
                  spool_dir: str | Path | None = None, log_dir: str | Path | None = None,
-                 state_dir: str | Path | None = None, curve=None):
+                 state_dir: str | Path | None = None, curve=None, identity=None):
         self.broker = broker
         self.curve = curve  # fedbus.broker.auth.PeerCurve, or None for plaintext
+        # fedbus.node.privacy.identity.Identity: signs its clients' secure-aggregation keys
+        self.identity = identity
         self.clients = clients
         self.name = name
         self.device = torch.device(device)
@@ -114,7 +116,13 @@ class ClientNode:
             server_cls = get_algorithm(cfg.algorithm.name).server
             params = resolved_params(server_cls, dict(cfg.algorithm))
             self.secure = SecureClient(server_cls.merge_rule(params), params,
-                                       unit_weight=cfg.privacy.dp == "client")
+                                       unit_weight=cfg.privacy.dp == "client",
+                                       identity=self.identity)
+            if self.identity is None:
+                log.warning("secure aggregation without a signing identity (no "
+                            "NAME.sign_secret in the keys folder): keys and survivor sets "
+                            "are unsigned, so it holds against an honest-but-curious server "
+                            "only (SECURITY.md 3a)")
         if self.state_dir is not None:
             self.states = ClientStateStore(self.state_dir, run_id, node=self.name)
             self._unrestored = self.states.clients() & set(self.clients)
@@ -374,6 +382,8 @@ class ClientNode:
             update = self.secure.on_masking(msg.dst, msg.body)
             if update is not None:
                 self._send("update", msg, update)
+        elif step == "survivors":
+            self._send("secagg", msg, self.secure.on_survivors(msg.dst, msg.body))
         elif step == "unmask":
             state = self.secure.sessions.get(msg.dst)
             if state is not None and state.get("drop") == "input":

@@ -572,7 +572,7 @@ class Engine:
                 times.append(self.round.deadline)
             times.append(self.round.hard_deadline)
             s = self.round.secure
-            if s is not None and s.phase in ("keys", "shares", "unmask"):
+            if s is not None and s.phase in ("keys", "shares", "consistency", "unmask"):
                 times.append(s.deadline)
         times += [ev.deadline for ev in self.evals.values()]
         if not self.started and self.start_time is not None:
@@ -600,7 +600,9 @@ class Engine:
                 out += self._secure_peers(now)
             if s is not None and s.phase == "shares" and now >= s.deadline:
                 out += self._secure_masking(now)
-            if s is not None and s.phase == "unmask":
+            if s is not None and s.phase == "consistency" and now >= s.deadline:
+                out += self._secure_reveal_asks(now)
+            if s is not None and s.phase in ("consistency", "unmask"):
                 if now >= s.deadline:
                     out += self._secure_finish(now)
             elif (r.deadline > 0 and now >= r.deadline
@@ -630,8 +632,8 @@ class Engine:
             return self._start_round(now)
         r = self.round
         if r is not None and r.secure is not None:
-            if r.secure.phase == "unmask":
-                return []  # the round ends with the survivors' reveals
+            if r.secure.phase in ("consistency", "unmask"):
+                return []  # the round ends with the survivors' signatures and reveals
             if r.secure.phase == "keys" and all(c in r.secure.keys or c in r.failures
                                                 for c in r.sampled):
                 return self._secure_peers(now) + self._progress(now)
@@ -1103,6 +1105,9 @@ class Engine:
         elif step == "shares":
             if s.phase != "shares" or client not in s.keys or client in s.sharers:
                 return "shares come once, from a client sent its peers, before masking"
+        elif step == "signed":
+            if s.phase != "consistency" or client not in s.survivors or client in s.signed:
+                return "a survivor-set signature comes once, from a survivor asked to sign"
         elif s.phase != "unmask" or client not in s.survivors or client in s.revealed:
             return "a reveal comes once, from a survivor asked to unmask"
         return None
@@ -1142,17 +1147,23 @@ class Engine:
         self.totals["bytes_up"] += nbytes
         try:
             if step == "keys":
-                s.session.add_keys(client, body.get("c_pk"), body.get("s_pk"))
+                s.session.add_keys(client, body.get("c_pk"), body.get("s_pk"),
+                                   body.get("sig"))
                 s.keys.add(client)
                 return self._progress(now)
             if step == "shares":
                 s.session.add_shares(client, _by_client(body.get("shares")))
                 s.sharers.add(client)
                 return self._progress(now)
+            if step == "signed":
+                if body.get("sig") is not None:  # (an unsigned client answers with none)
+                    s.session.add_survivor_signature(client, body.get("sig"))
+                s.signed.add(client)
+                return self._secure_reveal_asks(now) if s.signed >= s.survivors else []
             s.session.add_reveal(client, _by_client(body.get("b")), _by_client(body.get("s")))
             s.revealed.add(client)
         except (SecAggError, ValueError, TypeError) as err:
-            tid = s.task_of.get(client) if step != "reveal" else None
+            tid = s.task_of.get(client) if step not in ("signed", "reveal") else None
             return self.on_refused(Refusal("secagg", src, f"{step}: {err}", r.round,
                                            task=tid if tid in self.tasks else None,
                                            answer=False), now)
@@ -1180,7 +1191,7 @@ class Engine:
             m = peers[c]
             out.append(Out("secagg", client_address(c), r.round, {
                 "step": "peers", "task": s.task_of[c], "t": int(m["t"]), "ring": m["ring"],
-                "peers": {client_address(v): [pk[0], pk[1]] for v, pk in m["peers"].items()}}))
+                "peers": {client_address(v): list(pk) for v, pk in m["peers"].items()}}))
         return out
 
     def _secure_drop(self, clients: list[int]) -> None:
@@ -1258,20 +1269,41 @@ class Engine:
             return self._secure_done(now, failed=f"{len(s.survivors)} masked input(s) "
                                      "arrived: a sum needs two at least")
         try:
-            asks = s.session.unmask_requests()
+            s.asks = s.session.unmask_requests()
         except SecAggError as err:
             return self._secure_done(now, failed=str(err))
-        out = []
-        for c in sorted(asks):
-            m = asks[c]
-            out.append(Out("secagg", client_address(c), r.round, {
-                "step": "unmask", "task": s.task_of[c],
-                "survivors": [client_address(v) for v in m["survivors"]],
-                "dropped": [client_address(v) for v in m["dropped"]],
-                "ciphertexts": {client_address(v): ct for v, ct in m["ciphertexts"].items()}}))
         self.events.append({"event": "secagg_unmask", "round": r.round,
                             "survivors": len(s.survivors),
                             "dropped": len(s.sharers - s.inputs)})
+        if not s.session.signed():
+            return self._secure_reveal_asks(now)
+        # signed keys: the consistency check first (each survivor signs the survivor set;
+        # its holders reveal only on t signatures of the same set)
+        s.phase = "consistency"
+        everyone = [client_address(v) for v in s.session.survivor_set()]
+        return [Out("secagg", client_address(c), r.round,
+                    {"step": "survivors", "task": s.task_of[c], "survivors": everyone})
+                for c in sorted(s.asks)]
+
+    def _secure_reveal_asks(self, now: float) -> list[Out]:
+        """Ask each survivor to reveal: with signed keys once every survivor signed the
+        survivor set or its time is up (each request carries its holders' signatures; a
+        client short of t of them refuses, and the reveals missing fail the round)."""
+        r = self.round
+        s = r.secure
+        s.phase = "unmask"
+        s.deadline = now + s.timeout
+        out = []
+        for c in sorted(s.asks):
+            m = s.asks[c]
+            body = {"step": "unmask", "task": s.task_of[c],
+                    "survivors": [client_address(v) for v in m["survivors"]],
+                    "dropped": [client_address(v) for v in m["dropped"]],
+                    "ciphertexts": {client_address(v): ct for v, ct in m["ciphertexts"].items()}}
+            if s.session.signed():
+                body["signatures"] = {client_address(v): sig
+                                      for v, sig in s.signatures_for(c).items()}
+            out.append(Out("secagg", client_address(c), r.round, body))
         return out
 
     def _secure_finish(self, now: float) -> list[Out]:

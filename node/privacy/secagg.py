@@ -63,11 +63,16 @@ that client's input), who sent keys, shares and inputs and who dropped, the
 vector length, timing and sizes. Collusion: the server and fewer than t of a
 client's holders learn nothing of it; in SecAgg+ that holds with high
 probability over the random graph for a bounded fraction of colluding clients.
-Not covered: a malicious server (it could claim that a survivor dropped to
-some holders while asking others for its self-mask shares; Bonawitz's
-signatures and consistency round are not implemented; a client only refuses
-requests that are inconsistent on their face, insists on t > holders / 2 and
-on t - 1 share senders, and checks its own keys come back); a malicious client
+A server (or relay, or broker) that lies: with a signing identity
+(fedbus.node.privacy.identity) each client's key advertisement is signed over
+(context, client, c_pk, s_pk) and verified by every neighbour (substituted or
+replayed keys are refused: Refused reasons unsigned-keys, bad-key-signature);
+before revealing, each survivor signs the survivor set it was told and reveals
+only if t of its holders signed that same set (Bonawitz's consistency check:
+sign_survivors, on_unmask's signatures); t must be at least active_threshold(m),
+so a server colluding with c of a client's m holders gets both kinds of its
+shares only if m + c >= 2t. Without an identity, only the honest-but-curious
+guarantee holds (SECURITY.md 3a). Not covered: a malicious client
 can still poison the sum within the server's bounds on it, send a malformed
 masked input (the round fails, its sender unknown), withhold its reveal, or
 lie in its shares when no spare shares expose it (t of t revealed), and two
@@ -110,10 +115,13 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from fedbus.node.privacy import shamir
 
 __all__ = [
+    "REASONS",
     "ClientSession",
+    "Refused",
     "RingParams",
     "SecAggError",
     "ServerSession",
+    "active_threshold",
     "add_packed",
     "decode",
     "encode",
@@ -127,6 +135,7 @@ __all__ = [
 ]
 
 KEY_BYTES = 32
+SIGNATURE_BYTES = 64  # Ed25519 (fedbus.node.privacy.identity)
 SEED_BYTES = 16
 SHARE_BYTES = shamir.SHARE_BYTES  # one seed's share: CHUNKS field elements
 NONCE_BYTES = 12
@@ -158,6 +167,30 @@ _GRAPH_INFO = b"fedbus-secagg graph"
 
 class SecAggError(Exception):
     """Every refusal and failure of secure aggregation (one-line message)."""
+
+
+class Refused(SecAggError):
+    """A client's refusal of what a server (or whoever carries its messages) asked, under a
+    named reason (one of REASONS), which leads the message and is logged on its own."""
+
+    def __init__(self, reason: str, message: str):
+        assert reason in REASONS, reason
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+
+
+#: the named reasons of a client's refusals against a lying server (SECURITY.md 3a)
+REASONS = (
+    "unsigned-keys",         # a neighbour's key advertisement has no signature
+    "bad-key-signature",     # ... one that does not verify: substituted, or another round's
+    "survivors-omit-self",   # asked to sign a survivor set without itself, having masked
+    "second-survivor-set",   # asked to sign a second, different survivor set in one round
+    "survivors-unsigned",    # asked to reveal before signing the survivor set
+    "survivors-mismatch",    # an unmask request that differs from the survivor set signed
+    "too-few-signatures",    # fewer than t holders' valid signatures on that same set
+    "threshold-too-low",     # t below active_threshold(holders)
+    "both-share-kinds",      # asked for a peer's b-share and its s-share in one round
+)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -476,6 +509,14 @@ def threshold(holders: int, dropout: float) -> int:
     return min(holders, max(holders // 2 + 1, need))
 
 
+def active_threshold(holders: int) -> int:
+    """The least t a signing client accepts: floor(2m/3) + 1 (Bonawitz et al.'s active
+    setting). Each honest holder reveals one kind of share of a peer, so a server colluding
+    with c of its m holders gets both kinds (its input) only if m + c >= 2t: with this t,
+    only if c >= m/3 or so. threshold() with dropout < 1/3 is never below it."""
+    return 2 * holders // 3 + 1
+
+
 def neighbour_graph(clients: list[int], k: int, key: bytes) -> dict[int, list[int]]:
     """SecAgg+'s Harary graph H(k, n) over a random relabelling of the clients:
     each is linked to the k/2 next on either side of a ring permuted by a ChaCha20
@@ -531,9 +572,14 @@ class ClientSession:
     """One client's side of one round. Never reuse one across rounds: its seeds
     and keys are fresh per session, and it masks only once."""
 
-    def __init__(self, client: int, context: bytes):
+    def __init__(self, client: int, context: bytes, identity: Any = None):
+        """identity: a fedbus.node.privacy.identity.Identity (its signing key and every
+        client's verification key), or None: keys and survivor sets unsigned and unchecked,
+        secure against an honest-but-curious server only (SECURITY.md 3a)."""
         self.client = _client_id(client)
         self.context = _context(context)
+        self.identity = identity
+        self._survivor_set: list[int] | None = None  # the one survivor set it signed
         self._c_sk = X25519PrivateKey.generate()
         self._s_seed = os.urandom(SEED_BYTES)
         self._s_sk = _s_private_key(self._s_seed)
@@ -550,12 +596,25 @@ class ClientSession:
         self._unmasked = False
 
     def public_keys(self) -> dict:
-        return {"c_pk": _public_bytes(self._c_sk), "s_pk": _public_bytes(self._s_sk)}
+        """{"c_pk", "s_pk"}, and with an identity "sig": its signature over (context, client,
+        c_pk, s_pk), which every neighbour verifies before using the keys."""
+        keys = {"c_pk": _public_bytes(self._c_sk), "s_pk": _public_bytes(self._s_sk)}
+        if self.identity is not None:
+            from fedbus.node.privacy.identity import advert_message
+
+            keys["sig"] = self.identity.sign(
+                advert_message(self.context, self.client, keys["c_pk"], keys["s_pk"]))
+        return keys
 
     def on_peers(self, peers: dict[int, tuple[bytes, bytes]], t: int,
                  ring: RingParams | Mapping[str, Any]) -> dict[int, bytes]:
-        """peers: its neighbours' and its own id -> (c_pk, s_pk). Returns neighbour -> share
-        ciphertext, for each neighbour it accepts.
+        """peers: its neighbours' and its own id -> (c_pk, s_pk) or (c_pk, s_pk, sig).
+        Returns neighbour -> share ciphertext, for each neighbour it accepts.
+
+        With an identity, a neighbour whose advertisement carries no signature, or one that
+        does not verify under the neighbour's long-term key for this round's context (keys
+        substituted by whoever carried them, or replayed from another round), is refused
+        (named reasons unsigned-keys, bad-key-signature), as below.
 
         Its own keys must come back unchanged (else the keys it is told of are not the
         round's, and the round is aborted). A neighbour whose keys are of low order, equal
@@ -568,12 +627,14 @@ class ClientSession:
             raise SecAggError(f"client {me}: peers already set for this round")
         ring = ring if isinstance(ring, RingParams) else RingParams.from_dict(ring)
         keys: dict[int, tuple[bytes, bytes]] = {}
+        sigs: dict[int, Any] = {}
         for v, pair in _mapping(peers, "peers").items():
             v = _client_id(v, "peer id")
-            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-                raise SecAggError(f"peer {v}: keys must be a pair (c_pk, s_pk)")
+            if not isinstance(pair, (tuple, list)) or len(pair) not in (2, 3):
+                raise SecAggError(f"peer {v}: keys must be (c_pk, s_pk) or (c_pk, s_pk, sig)")
             keys[v] = (_bytes(pair[0], KEY_BYTES, f"peer {v} c_pk"),
                        _bytes(pair[1], KEY_BYTES, f"peer {v} s_pk"))
+            sigs[v] = pair[2] if len(pair) == 3 else None
         own = keys.pop(me, None)
         mine = (_public_bytes(self._c_sk), _public_bytes(self._s_sk))
         if own is None or tuple(own) != mine:
@@ -587,6 +648,11 @@ class ClientSession:
             raise SecAggError(f"client {me}: threshold {t!r} outside "
                               f"{m // 2 + 1}..{m} for {m} holders")
         t = int(t)
+        if self.identity is not None and t < active_threshold(m):
+            raise Refused("threshold-too-low", f"client {me} aborts its round: threshold "
+                          f"{t} of {m} holders is below {active_threshold(m)}, what the "
+                          f"signed protocol needs against a lying server (2t > m + c for c "
+                          f"colluding holders; secagg_dropout < 1/3 gives it)")
         seen: dict[bytes, int] = {}
         for pk in (*mine, *(pk for pair in keys.values() for pk in pair)):
             seen[pk] = seen.get(pk, 0) + 1
@@ -597,6 +663,8 @@ class ClientSession:
                 why = "it advertises a key of this client's"
             if why is None and (seen[c_pk] > 1 or seen[s_pk] > 1):
                 why = "another peer advertises the same key"
+            if why is None and self.identity is not None:
+                why = self._advert_problem(v, c_pk, s_pk, sigs[v])
             if why is not None:
                 refused[v] = why
         share_keys: dict[int, bytes] = {}
@@ -639,6 +707,73 @@ class ClientSession:
     def refused_peers(self) -> dict[int, str]:
         """The neighbours on_peers refused, and why."""
         return dict(self._refused)
+
+    def _advert_problem(self, v: int, c_pk: bytes, s_pk: bytes, sig: Any) -> str | None:
+        """Why neighbour v's signed advertisement is refused, or None; led by its reason."""
+        from fedbus.node.privacy.identity import advert_message
+
+        if sig is None:
+            return "unsigned-keys: its key advertisement carries no signature"
+        why = self.identity.verify(v, sig, advert_message(self.context, v, c_pk, s_pk))
+        if why is not None:
+            return (f"bad-key-signature: {why} for this round's keys (substituted on the "
+                    f"way, or another round's)")
+        return None
+
+    def sign_survivors(self, survivors: Iterable[int]) -> bytes:
+        """Its signature over the round's survivor set as the server tells it (Bonawitz et
+        al.'s consistency check), given once per round and only after it masked its input:
+        a set without itself, or a second set, is refused."""
+        me = self.client
+        if self.identity is None:
+            raise SecAggError(f"client {me}: no signing identity to sign survivors with")
+        if self._masked_with is None:
+            raise SecAggError(f"client {me}: survivor set before it masked an input")
+        ids = sorted(_id_list(list(survivors), "survivors"))
+        if me not in ids:
+            raise Refused("survivors-omit-self", f"client {me} masked its input, but the "
+                          f"survivor set it is asked to sign leaves it out")
+        if self._survivor_set is not None and self._survivor_set != ids:
+            raise Refused("second-survivor-set", f"client {me} signed one survivor set this "
+                          f"round already and is asked to sign another")
+        from fedbus.node.privacy.identity import survivors_message
+
+        self._survivor_set = ids
+        return self.identity.sign(survivors_message(self.context, ids))
+
+    def _check_consistency(self, alive: set[int], gone: set[int],
+                           signatures: Mapping[int, Any] | None) -> None:
+        """With an identity: the unmask request must agree with the survivor set it signed,
+        and at least t of its holders (itself included) must have signed that same set."""
+        me = self.client
+        if self._survivor_set is None:
+            raise Refused("survivors-unsigned", f"client {me} is asked to reveal shares "
+                          f"before it signed the round's survivor set")
+        signed = set(self._survivor_set)
+        mine = {me, *(self._masked_with or [])}
+        want_alive, want_gone = mine & signed, set(self._masked_with or []) - signed
+        if alive != want_alive or gone != want_gone:
+            raise Refused("survivors-mismatch", f"client {me}: the unmask request's survivors "
+                          f"{sorted(alive)} and dropped {sorted(gone)} are not those of the "
+                          f"survivor set it signed")
+        from fedbus.node.privacy.identity import survivors_message
+
+        message = survivors_message(self.context, self._survivor_set)
+        good = {me}
+        bad: list[str] = []
+        for v, sig in _mapping(signatures or {}, "signatures").items():
+            v = _client_id(v, "signer")
+            if v == me or v not in want_alive or len(good) >= self._t:
+                continue  # only holders in the signed set count, each once; t are enough
+            why = self.identity.verify(v, sig, message)
+            if why is None:
+                good.add(v)
+            else:
+                bad.append(f"{v}: {why}")
+        if len(good) < self._t:
+            raise Refused("too-few-signatures", f"client {me}: {len(good)} of its holders "
+                          f"signed the survivor set it signed, fewer than t={self._t}"
+                          + (f" (refused: {'; '.join(bad)})" if bad else ""))
 
     def check_share_senders(self, share_senders: Iterable[int]) -> list[int]:
         """The neighbours to mask with, from the server's list of those that sent shares;
@@ -684,9 +819,13 @@ class ClientSession:
         return pack(_reduce(y, ring.ring_bits), ring.ring_bits), clipped
 
     def on_unmask(self, survivors: list[int], dropped: list[int],
-                  ciphertexts: dict[int, bytes]) -> dict:
+                  ciphertexts: dict[int, bytes],
+                  signatures: Mapping[int, Any] | None = None) -> dict:
         """-> {"b": {peer: share}, "s": {peer: share}}: the b-share of each survivor
-        (itself included) and the s-share of each dropped peer, never both for one peer."""
+        (itself included) and the s-share of each dropped peer, never both for one peer
+        (named reason both-share-kinds). With an identity, only after the consistency
+        check (_check_consistency): survivors and dropped as the survivor set it signed
+        says, and signatures: holder -> its signature on that set, t of them valid."""
         me = self.client
         if self._masked_with is None:
             raise SecAggError(f"client {me}: unmask request before it masked an input")
@@ -699,8 +838,11 @@ class ClientSession:
             raise SecAggError(f"client {me} is listed as dropped in its own unmask request")
         both = sorted(alive & gone)
         if both:
-            raise SecAggError(f"client {me}: peers {both} are listed as survivor and dropped")
+            raise Refused("both-share-kinds", f"client {me}: peers {both} are listed as "
+                          f"survivor and dropped: it would reveal both of their shares")
         alive.add(me)
+        if self.identity is not None:
+            self._check_consistency(alive, gone, signatures)
         strangers = sorted((alive | gone) - set(self._holders))
         if strangers:
             raise SecAggError(f"client {me}: unmask request names non-neighbours {strangers}")
@@ -776,6 +918,8 @@ class ServerSession:
         self.ring = ring
         self._cohort_set = set(self.cohort)
         self._keys: dict[int, tuple[bytes, bytes]] = {}
+        self._key_sigs: dict[int, bytes] = {}  # signed advertisements (forwarded, unverified)
+        self._survivor_sigs: dict[int, bytes] = {}  # the consistency check's signatures
         self._key_owner: dict[bytes, int] = {}
         self._graph: dict[int, list[int]] | None = None
         self._t = 0
@@ -795,11 +939,14 @@ class ServerSession:
 
     # ---- phase 1: keys
 
-    def add_keys(self, client: int, c_pk: bytes, s_pk: bytes) -> None:
-        """A client's public keys. Keys of low order, a client's two keys alike, or a key
-        another client sent already are refused, blaming this sender: no honest client
-        draws such keys, and in the graph they would fail every neighbour's key agreement
-        (or hand a copier's peers shares it could not read)."""
+    def add_keys(self, client: int, c_pk: bytes, s_pk: bytes, sig: bytes | None = None
+                 ) -> None:
+        """A client's public keys, and its signature of them (64 bytes, or None: unsigned;
+        the server holds no verification key: the receiving clients verify it). Keys of low
+        order, a client's two keys alike, or a key another client sent already are refused,
+        blaming this sender: no honest client draws such keys, and in the graph they would
+        fail every neighbour's key agreement (or hand a copier's peers shares it could not
+        read)."""
         if self._graph is not None:
             raise SecAggError("keys arrive after the graph was fixed")
         u = self._member(client)
@@ -814,6 +961,8 @@ class ServerSession:
                 why = f"it repeats a key client {copied[0]} sent"
         if why is not None:
             raise SecAggError(f"client {u}'s keys are refused: {why}")
+        if sig is not None:
+            self._key_sigs[u] = _bytes(sig, SIGNATURE_BYTES, f"client {u}'s key signature")
         self._keys[u] = pair
         for pk in pair:
             self._key_owner[pk] = u
@@ -822,8 +971,9 @@ class ServerSession:
         return sorted(self._keys)
 
     def fix_graph(self) -> dict[int, dict]:
-        """Links the key senders; -> per client {"peers": {v: [c_pk, s_pk]} (its neighbours
-        and itself: a client checks that its own keys come back unchanged), "t", "ring"}."""
+        """Links the key senders; -> per client {"peers": {v: [c_pk, s_pk] (+ [sig] where v
+        signed)} (its neighbours and itself: a client checks that its own keys come back
+        unchanged), "t", "ring"}."""
         if self._graph is not None:
             raise SecAggError("the graph is already fixed")
         senders = self.key_senders()
@@ -835,8 +985,15 @@ class ServerSession:
         self._t = threshold(len(graph[senders[0]]) + 1, self.dropout)
         self._graph = graph
         ring = self.ring.to_dict()
-        return {u: {"peers": {v: list(self._keys[v]) for v in sorted([*graph[u], u])},
+        return {u: {"peers": {v: [*self._keys[v], *([self._key_sigs[v]]
+                                                     if v in self._key_sigs else [])]
+                              for v in sorted([*graph[u], u])},
                     "t": self._t, "ring": dict(ring)} for u in senders}
+
+    def signed(self) -> bool:
+        """Whether any key sender signed its keys: the round then runs the consistency
+        check (survivor_set -> add_survivor_signature -> signatures_for) before unmasking."""
+        return bool(self._key_sigs)
 
     # ---- phase 2: shares
 
@@ -957,6 +1114,34 @@ class ServerSession:
                       "dropped": [v for v in peers if v not in alive],
                       "ciphertexts": {v: self._shares[v][u] for v in peers}}
         return out
+
+    def survivor_set(self) -> list[int]:
+        """The round's survivors (fixed by unmask_requests), for each to sign."""
+        if self._survivors is None:
+            raise SecAggError("the survivors are not fixed yet (unmask_requests)")
+        return list(self._survivors)
+
+    def add_survivor_signature(self, client: int, sig: Any) -> None:
+        """A survivor's signature over the survivor set (64 bytes, forwarded unverified:
+        its holders verify it), before any reveal."""
+        if self._survivors is None:
+            raise SecAggError("a survivor signature arrives before the survivors were fixed")
+        if self._reveals:
+            raise SecAggError("a survivor signature arrives after reveals began")
+        u = self._member(client)
+        if u not in self._inputs:
+            raise SecAggError(f"client {u} is not a survivor")
+        if u in self._survivor_sigs:
+            raise SecAggError(f"client {u} signed the survivor set twice")
+        self._survivor_sigs[u] = _bytes(sig, SIGNATURE_BYTES,
+                                        f"client {u}'s survivor-set signature")
+
+    def signatures_for(self, client: int) -> dict[int, bytes]:
+        """The survivor-set signatures of client's linked holders (itself included): what
+        it needs to see before it reveals."""
+        u = self._member(client)
+        holders = {u, *self._links().get(u, [])}
+        return {v: sig for v, sig in sorted(self._survivor_sigs.items()) if v in holders}
 
     def add_reveal(self, client: int, b: dict[int, bytes], s: dict[int, bytes]) -> None:
         if self._survivors is None:

@@ -21,8 +21,12 @@ A round, message by message (kind "secagg", its body's "step"; PROTOCOL.md §12)
    {"masked": uint8 [L, B]}: its sum form, flattened, fixed-point encoded and masked.
    Relays add masked vectors mod 2^bits.
 4. When the round closes (every client answered or failed, or the deadline), the inputs
-   that arrived are the survivors; each is sent "unmask" (who survived, who dropped, the
-   share ciphertexts addressed to it) and answers "reveal".
+   that arrived are the survivors. Where the clients signed their keys (a signing identity,
+   fedbus.node.privacy.identity), each survivor is first sent "survivors" (the round's whole
+   survivor set) and answers "signed" (its signature over it: the consistency check); when
+   every survivor signed, or `secagg_timeout_s` passed, each is sent "unmask" (who survived,
+   who dropped, the share ciphertexts addressed to it and, when signed, its holders'
+   signatures on the survivor set) and answers "reveal".
 5. When every survivor revealed, or `secagg_timeout_s` passed, the server reconstructs the
    survivors' self masks and the dropped clients' pairwise masks, and the decoded sum goes
    to the handler as one merged update of the survivors. If a secret lacks its threshold of
@@ -36,7 +40,8 @@ unmasking of its own.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -46,8 +51,8 @@ from fedbus.broker.log import get_logger
 log = get_logger("fedbus.secure_round")
 
 #: the steps of kind "secagg" a client sends, and those the server sends
-CLIENT_STEPS = ("keys", "shares", "reveal")
-SERVER_STEPS = ("peers", "masking", "unmask")
+CLIENT_STEPS = ("keys", "shares", "signed", "reveal")
+SERVER_STEPS = ("peers", "masking", "survivors", "unmask")
 
 #: algorithms whose server step needs each client's update on its own: one line each
 NEEDS_EACH_UPDATE = {
@@ -206,13 +211,16 @@ class SecureRound:
             neighbours=secagg.neighbour_count(len(sampled), int(privacy["secagg_neighbours"])),
             dropout=float(privacy["secagg_dropout"]), ring=self.ring, graph_key=graph_key)
         self.clip = secure_proto_clip(privacy)
-        self.phase = "keys"  # keys -> shares -> masking -> unmask -> done
-        self.deadline = now + self.timeout  # of the current phase (keys, shares, unmask)
+        self.phase = "keys"  # keys -> shares -> masking -> [consistency] -> unmask -> done
+        # of the current phase (keys, shares, consistency, unmask)
+        self.deadline = now + self.timeout
         self.keys: set[int] = set()
         self.sharers: set[int] = set()
         self.inputs: set[int] = set()
         self.survivors: set[int] = set()
         self.revealed: set[int] = set()
+        self.signed: set[int] = set()  # survivors that signed the survivor set
+        self.asks: dict[int, dict] = {}  # the unmask requests, held while survivors sign
         self.task_of: dict[int, int] = {}  # client -> its task of this round
         self.bytes_up = self.bytes_down = 0  # of the steps (the masked inputs are updates)
         self.entries: list[Any] = []  # the unmasked sum as one merged ClientUpdate
@@ -225,6 +233,10 @@ class SecureRound:
         if self.clip > 0:
             field["clip"] = self.clip
         return field
+
+    def signatures_for(self, client: int) -> dict[int, bytes]:
+        """The survivor-set signatures the client's unmask request carries (none unsigned)."""
+        return self.session.signatures_for(client) if self.session.signed() else {}
 
     def record(self) -> dict[str, Any]:
         """The round record's "secagg" entry."""
@@ -247,16 +259,21 @@ class SecureClient:
     goes out before training), `ready` when the update is trained (None while the peers
     are not known: the update waits), `on_peers` and `on_unmask` on the server's steps."""
 
-    def __init__(self, rule: Any, params: Mapping[str, Any], *, unit_weight: bool = False):
+    def __init__(self, rule: Any, params: Mapping[str, Any], *, unit_weight: bool = False,
+                 identity: Any = None):
         # unit_weight: client-level DP sums clipped deltas with weight 1 each
+        # identity: fedbus.node.privacy.identity.Identity (signed keys and the consistency
+        # check against a lying server), or None (honest-but-curious server only)
         self.rule, self.params, self.unit_weight = rule, params, unit_weight
+        self.identity = identity
         self.sessions: dict[str, dict[str, Any]] = {}
 
     def begin(self, address: str, body: Mapping[str, Any]) -> dict[str, Any]:
         from fedbus.node.privacy import secagg
 
         field = body["secagg"]
-        session = secagg.ClientSession(int(address[1:]), str(field["context"]).encode())
+        session = secagg.ClientSession(int(address[1:]), str(field["context"]).encode(),
+                                       identity=self.identity)
         clip = field.get("clip", 0.0)
         self.sessions[address] = {"session": session, "task": body["task"],
                                   "client": int(address[1:]),
@@ -264,8 +281,7 @@ class SecureClient:
                                   "update": None,
                                   "clip": float(clip) if isinstance(clip, (int, float)) else 0.0}
         keys = session.public_keys()
-        return {"step": "keys", "task": body["task"], "c_pk": keys["c_pk"],
-                "s_pk": keys["s_pk"]}
+        return {"step": "keys", "task": body["task"], **keys}
 
     def ready(self, address: str, update: dict[str, Any]) -> dict[str, Any] | None:
         """The trained update -> the masked update to send, or None (held for the peers)."""
@@ -280,12 +296,14 @@ class SecureClient:
         from fedbus.node.privacy import secagg
 
         state = self._state(address, body)
-        peers = {int(a[1:]): (bytes(pk[0]), bytes(pk[1])) for a, pk in body["peers"].items()}
+        peers = {int(a[1:]): tuple(bytes(k) for k in pk) for a, pk in body["peers"].items()}
         cts = state["session"].on_peers(peers, int(body["t"]),
                                         secagg.RingParams.from_dict(body["ring"]))
         for v, why in state["session"].refused_peers().items():
+            named = why.split(":", 1)[0]
             log.warning("secure aggregation: peer refused", client=address, peer=f"c{v}",
-                        reason=why, task=state["task"])
+                        reason=named if named in secagg.REASONS else why, why=why,
+                        task=state["task"])
         return {"step": "shares", "task": state["task"],
                 "shares": {f"c{v}": ct for v, ct in cts.items()}}
 
@@ -298,11 +316,24 @@ class SecureClient:
             [int(a[1:]) for a in body["sharers"]])
         return self._masked(state) if state["update"] is not None else None
 
+    def on_survivors(self, address: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """The server's survivor set -> the signed step (the consistency check)."""
+        state = self._state(address, body)
+        if self.identity is None:  # a mixed run: nothing to sign with, nothing to check
+            return {"step": "signed", "task": state["task"], "sig": None}
+        with _logged_refusal(address, state["task"], "survivors"):
+            sig = state["session"].sign_survivors([int(a[1:]) for a in body["survivors"]])
+        return {"step": "signed", "task": state["task"], "sig": sig}
+
     def on_unmask(self, address: str, body: Mapping[str, Any]) -> dict[str, Any]:
         state = self._state(address, body)
-        reveal = state["session"].on_unmask(
-            [int(a[1:]) for a in body["survivors"]], [int(a[1:]) for a in body["dropped"]],
-            {int(a[1:]): bytes(ct) for a, ct in body["ciphertexts"].items()})
+        sigs = body.get("signatures")
+        with _logged_refusal(address, state["task"], "unmask"):
+            reveal = state["session"].on_unmask(
+                [int(a[1:]) for a in body["survivors"]], [int(a[1:]) for a in body["dropped"]],
+                {int(a[1:]): bytes(ct) for a, ct in body["ciphertexts"].items()},
+                {int(a[1:]): sig for a, sig in sigs.items()}
+                if isinstance(sigs, Mapping) else None)
         del self.sessions[address]  # the round is over for this client
         return {"step": "reveal", "task": state["task"],
                 "b": {f"c{v}": s for v, s in reveal["b"].items()},
@@ -334,6 +365,19 @@ class SecureClient:
             log.warning("secure aggregation: values clipped to privacy.secagg_range",
                         client=state["client"], values=int(clipped))
         return {**update, "payload": {"masked": packed}}
+
+
+@contextmanager
+def _logged_refusal(address: str, task: Any, step: str) -> Iterator[None]:
+    """Logs a client's named refusal (secagg.Refused) on its node, then lets it propagate."""
+    from fedbus.node.privacy.secagg import Refused
+
+    try:
+        yield
+    except Refused as err:
+        log.warning("secure aggregation: server's request refused", client=address,
+                    step=step, reason=err.reason, why=str(err), task=task)
+        raise
 
 
 def clip_prototypes(payload: Any, clip: float) -> Any:
