@@ -482,3 +482,76 @@ def test_keygen_writes_a_signing_key_that_nodes_load_and_a_forged_list_is_refuse
     (d / "node-b.sign").write_text(text.replace("c3-5", "c0-5"))
     with pytest.raises(IdentityError, match="its certificate"):
         load_identity(d, "node-a")
+
+
+# --------------------------------------------------------------------------- the engine's steps
+
+
+def test_the_engines_signed_round_gives_the_plain_state_when_a_survivor_never_signs():
+    """The engine's secure steps with signing clients (SecureClient, one node's identity for
+    c0-5): keys signed, the survivors/signed steps, signatures forwarded with each unmask;
+    c2 never answers `survivors`, so the server sends the unmask requests at the phase's
+    deadline (simulated clock) with five signatures each, t = 5 of 6: enough, and the round
+    gives the plain run's global state."""
+    from tests.test_secure_aggregation import (
+        Clients,
+        _config,
+        _engine,
+        _global,
+        _record,
+        _update,
+        plain_round,
+    )
+
+    cfg, plain_cfg = _config("fedproto", True), _config("fedproto", False)
+    (engine, tasks), (plain, p_tasks) = _engine(cfg), _engine(plain_cfg)
+    node = Ed25519PrivateKey.generate()
+    cl = Clients(engine, cfg)
+    cl.secure.identity = Identity.from_keys(node, {c: node.public_key() for c in range(6)})
+    now = 1.0
+
+    def steps(outs, step):
+        return [o for o in outs if o.kind == "secagg" and o.body["step"] == step]
+
+    outs = []
+    for t in tasks:
+        outs += cl.send("secagg", t.dst, cl.secure.begin(t.dst, t.body), t.round, now)
+    keys = [m.body for m in cl.sent if m.body.get("step") == "keys"]
+    assert len(keys) == 6 and all(len(k["sig"]) == 64 for k in keys)
+    masking = []
+    for o in steps(outs, "peers"):
+        assert all(len(pk) == 3 for pk in o.body["peers"].values())  # signatures forwarded
+        masking += cl.send("secagg", o.dst, cl.secure.on_peers(o.dst, o.body), o.round, now)
+    closing = []
+    for o in steps(masking, "masking"):
+        c = int(o.dst[1:])
+        cl.secure.ready(o.dst, _update(engine, tasks[c], c))
+        closing += cl.send("update", o.dst, cl.secure.on_masking(o.dst, o.body), o.round, now)
+    asked = steps(closing, "survivors")
+    assert sorted(o.dst for o in asked) == [f"c{c}" for c in range(6)]
+    assert not steps(closing, "unmask")  # nothing revealed before the survivors sign
+    unmasks = []
+    for o in asked:
+        if o.dst != "c2":
+            unmasks += cl.send("secagg", o.dst, cl.secure.on_survivors(o.dst, o.body),
+                               o.round, now)
+    assert not steps(unmasks, "unmask")  # c2's signature is still awaited
+    unmasks = steps(engine.on_tick(now + cfg.privacy.secagg_timeout_s + 0.1), "unmask")
+    assert len(unmasks) == 6 and all(sorted(o.body["signatures"]) ==
+                                     [f"c{c}" for c in range(6) if c != 2] for o in unmasks)
+    later = now + cfg.privacy.secagg_timeout_s + 0.2
+    for o in unmasks:
+        if o.dst == "c2":  # it never signed: it refuses to reveal, and is not needed
+            with pytest.raises(Refused) as err:
+                cl.secure.on_unmask(o.dst, o.body)
+            assert err.value.reason == "survivors-unsigned"
+            continue
+        cl.send("secagg", o.dst, cl.secure.on_unmask(o.dst, o.body), o.round, later)
+    engine.on_tick(later + cfg.privacy.secagg_timeout_s + 0.1)  # c2's reveal never comes
+    plain_round(plain, p_tasks)
+    rec = _record(engine)
+    assert rec["secagg"].get("failed") is None and rec["secagg"]["survivors"] == 6
+    got, want = _global(engine), _global(plain)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=0, atol=rec["secagg"]["quant_bound"])
+        assert np.abs(want[k]).max() > 10 * rec["secagg"]["quant_bound"]
