@@ -435,7 +435,7 @@ def test_a_curve_federation_with_signed_keys_completes(tmp_path):
     sections = merged(SMALL, algorithm={"name": "fedproto"},
                       federation={"clients": 6, "rounds": 2},
                       bus={"curve": True},
-                      privacy={"secure_aggregation": True, "secagg_timeout_s": 20.0})
+                      privacy={"secure_aggregation": True, "secagg_timeout_s": 120.0})
     run, summary = run_federation(tmp_path, sections)
     assert summary["rounds_completed"] == 2
     assert sorted(p.name for p in (run / "keys").glob("*.sign")) == ["node-0.sign",
