@@ -430,7 +430,7 @@ def test_a_curve_federation_with_signed_keys_completes(tmp_path):
     neighbours' and the survivor set's signatures, and the rounds aggregate."""
     from fedbus.broker.wire import decode
     from fedbus.record.msglog import read_log
-    from tests.helpers import SMALL, merged, metrics, run_federation
+    from tests.helpers import SMALL, fedbus, merged, metrics, run_federation
 
     sections = merged(SMALL, algorithm={"name": "fedproto"},
                       federation={"clients": 6, "rounds": 2},
@@ -456,6 +456,9 @@ def test_a_curve_federation_with_signed_keys_completes(tmp_path):
     assert logs
     assert not [line for line in logs if "secure aggregation" in line and (
         "refused" in line or "without a signing identity" in line)]
+    # the survivors/signed steps replay like the rest (the server verifies nothing)
+    out = fedbus("replay", str(run), timeout=240)
+    assert "replay identical" in out.stdout, out.stdout + out.stderr
 
 
 # --------------------------------------------------------------------------- identities on disk
