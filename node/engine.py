@@ -1174,7 +1174,7 @@ class Engine:
     def _secure_peers(self, now: float) -> list[Out]:
         """Keys are in (or their time is up): fix the neighbour graph, send each its peers.
         A sampled client that sent no keys cannot take part: its task ends."""
-        from fedbus.node.privacy.secagg import SecAggError
+        from fedbus.node.privacy.secagg import SecAggError, active_threshold
 
         r = self.round
         s = r.secure
@@ -1186,6 +1186,13 @@ class Engine:
             return self._secure_done(now, failed=f"no neighbour graph: {err}")
         if not peers:
             return self._secure_done(now, failed="no client sent its keys")
+        first = peers[min(peers)]
+        holders, t = len(first["peers"]), int(first["t"])
+        if s.session.signed() and t < active_threshold(holders):
+            # every signing client would refuse it (threshold-too-low): say so now
+            return self._secure_done(now, failed=(
+                f"threshold {t} of {holders} holders is below {active_threshold(holders)}, "
+                "which signing clients require: set privacy.secagg_dropout below 1/3"))
         out = []
         for c in sorted(peers):
             m = peers[c]

@@ -558,3 +558,33 @@ def test_the_engines_signed_round_gives_the_plain_state_when_a_survivor_never_si
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=0, atol=rec["secagg"]["quant_bound"])
         assert np.abs(want[k]).max() > 10 * rec["secagg"]["quant_bound"]
+
+
+def test_a_threshold_signing_clients_refuse_fails_the_round_at_once_and_fedbus_run_says_so(
+        tmp_path):
+    from fedbus.node.config import build_config
+    from tests.helpers import SMALL, fedbus, merged
+    from tests.test_secure_aggregation import Clients, _engine, _record
+
+    cfg = build_config({
+        "federation": {"clients": 6, "rounds": 2, "seed": 3},
+        "data": {"dataset": "digits", "partition": "iid"}, "model": {"arch": "mlp"},
+        "algorithm": {"name": "fedproto"},
+        "privacy": {"secure_aggregation": True, "secagg_dropout": 0.5}})
+    engine, tasks = _engine(cfg)
+    cl = Clients(engine, cfg)
+    node = Ed25519PrivateKey.generate()
+    cl.secure.identity = Identity.from_keys(node, {c: node.public_key() for c in range(6)})
+    outs = []
+    for t in tasks:
+        outs += cl.send("secagg", t.dst, cl.secure.begin(t.dst, t.body), t.round, 1.0)
+    assert not [o for o in outs if o.kind == "secagg"]  # no peers step to refuse
+    assert "below 1/3" in _record(engine)["secagg"]["failed"]
+    # a local CURVE run would write signing keys: refused before anything starts
+    from fedbus.bench.common import write_toml
+
+    path = write_toml(tmp_path / "c.toml", merged(
+        SMALL, algorithm={"name": "fedproto"}, bus={"curve": True},
+        privacy={"secure_aggregation": True, "secagg_dropout": 0.5}))
+    out = fedbus("run", str(path), "--out", str(tmp_path / "run"), "--quiet", check=False)
+    assert out.returncode == 2 and "secagg_dropout below 1/3" in out.stderr, out.stderr
