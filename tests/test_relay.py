@@ -18,14 +18,14 @@ from fedbus.node.server import build_engine, dispatch
 from tests.helpers import (SMALL, Processes, fedbus, free_port, merged, metrics, wait_until,
                            write_config)
 
-FAST = ("--heartbeat-s", "0.3", "--liveness", "4")
-# a live process is never taken for dead on a loaded machine, while a killed one still is
-PATIENT = ("--heartbeat-s", "0.3", "--liveness", "10")
+# 10 missed 0.3 s heartbeats: no live process is taken for dead on a loaded machine (4, as
+# SMALL has, is a stall of 1.2 s), while a killed one still is, in 3 s
+FAST = ("--heartbeat-s", "0.3", "--liveness", "10")
 # Six clients, all sampled every round, one torch thread everywhere: on the CPU every
 # client trains exactly as in the flat run, whichever node hosts it.
 EQUIV = merged(SMALL, federation={"clients": 6, "rounds": 3, "deadline_s": 0.0,
                                   "hard_deadline_s": 120.0},
-               launch={"threads": 1})
+               launch={"threads": 1}, bus={"liveness": 10})
 
 
 def _final_state(run) -> dict:
@@ -33,27 +33,27 @@ def _final_state(run) -> dict:
 
 
 def _federation(tmp_path, sections, *, relays: bool, name: str,
-                relay_args: tuple = (), bus: tuple = FAST) -> tuple:
+                relay_args: tuple = ()) -> tuple:
     """Broker + server, and nodes hosting clients 0-2 and 3-5: directly, or each node
-    below its own relay (its own site broker), started with `relay_args`; every process
-    with the `bus` flags. Returns (run dir, Processes)."""
+    below its own relay (its own site broker), started with `relay_args`. Returns (run dir,
+    Processes)."""
     d = tmp_path / name
     d.mkdir()
     procs = Processes(d)
     broker = f"tcp://127.0.0.1:{free_port()}"
     cfg = write_config(d / "cfg.toml", sections)
     run = d / "run"
-    procs.start("broker", "broker", "--bind", broker, *bus)
+    procs.start("broker", "broker", "--bind", broker, *FAST)
     procs.start("server", "server", "--broker", broker, str(cfg), "--out", str(run))
     for i, clients in enumerate(("0-2", "3-5")):
         target = broker
         if relays:
             site = f"tcp://127.0.0.1:{free_port()}"
             procs.start(f"relay-{i}", "relay", "--upstream", broker, "--bind", site,
-                        "--name", f"relay-{i}", *bus, *relay_args)
+                        "--name", f"relay-{i}", *FAST, *relay_args)
             target = site
         procs.start(f"node-{i}", "node", "--broker", target, "--clients", clients,
-                    "--name", f"n{i}", *bus)
+                    "--name", f"n{i}", *FAST)
     return run, procs
 
 
@@ -189,15 +189,13 @@ def test_a_node_below_a_relay_that_dies_is_dropped_and_its_restart_rejoins(tmp_p
     # and is killed once its log says so, so round 0 is open on n1 when it dies; no round
     # has a deadline (deadline_s = 0: every sampled client answers or fails; the relay's
     # share of the 120 s hard deadline is only a liveness guard), so round 0 can end only
-    # by the death, which the site broker notices by n1's silence (bus liveness 10 x 0.3 s,
-    # also wide enough that no busy live process is taken for dead). The restarted n1 hosts
+    # by the death, which the site broker notices by n1's silence (FAST). The restarted n1 hosts
     # clients 4 and 5 (client 3, which holds its update, stays away, or every later round
     # would wait on the relay's deadline); min_clients = 5 makes round 1 wait for it.
     sections = merged(EQUIV, federation={"rounds": 4, "min_clients": 5, "deadline_s": 0.0,
                                          "eval_every": 100},
-                      algorithm={"name": "fedproto"}, system={"hold_clients": [3]},
-                      bus={"liveness": 10})
-    run, procs = _federation(tmp_path, sections, relays=True, name="dies", bus=PATIENT)
+                      algorithm={"name": "fedproto"}, system={"hold_clients": [3]})
+    run, procs = _federation(tmp_path, sections, relays=True, name="dies")
     try:
         wait_until(lambda: "event='update held'" in procs.log("node-1"), 120,
                    "n1 holding client 3's update of round 0")
@@ -207,7 +205,7 @@ def test_a_node_below_a_relay_that_dies_is_dropped_and_its_restart_rejoins(tmp_p
         site = procs.log("relay-1")
         endpoint = site.split("downstream='", 1)[1].split("'", 1)[0]
         procs.start("node-1b", "node", "--broker", endpoint, "--clients", "4-5",
-                    "--name", "n1", *PATIENT)
+                    "--name", "n1", *FAST)
         _finish(run, procs, "node-restart")
         relay_log = procs.log("relay-1")
     finally:
