@@ -319,12 +319,11 @@ def run_keys(cfg, run_dir: Path, groups: list[list[int]]) -> Path:
     write_keypair(keys, "server", "server", force=True)
     signing = bool(cfg.privacy.secure_aggregation)
     if signing:  # each node signs its clients' secure-aggregation keys (SECURITY.md 3a)
-        from fedbus.node.privacy.identity import write_signing_key
+        from fedbus.node.privacy.identity import signed_dropout_refusal, write_signing_key
 
-        if float(cfg.privacy.secagg_dropout) >= 1 / 3:
-            raise ValueError(f"privacy.secagg_dropout = {cfg.privacy.secagg_dropout}: signed "
-                             "secure aggregation (bus.curve) needs a threshold above 2/3 of a "
-                             "client's holders, so secagg_dropout below 1/3")
+        refusal = signed_dropout_refusal(cfg)
+        if refusal:
+            raise ValueError(refusal)
     for i, ids in enumerate(groups):
         clients = format_addresses([client_address(c) for c in ids])
         write_keypair(keys, f"node-{i}", "client", force=True, clients=clients)

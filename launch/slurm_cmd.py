@@ -116,6 +116,12 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         check_inputs(cfg)
+        if cfg.privacy.secure_aggregation and not args.no_curve:
+            from fedbus.node.privacy.identity import signed_dropout_refusal
+
+            refusal = signed_dropout_refusal(cfg)
+            if refusal:
+                raise ValueError(refusal)
         clear_out(run_dir, force=args.force)
     except (PreflightError, ValueError) as err:
         print(f"fedbus slurm: {err}", file=sys.stderr)
@@ -125,7 +131,7 @@ def main(args: argparse.Namespace) -> int:
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     if not args.no_curve:
         write_keys(run_dir, groups, (args.gpus_per_node or args.tasks_per_node)
-                   if args.relays else 0)
+                   if args.relays else 0, signing=bool(cfg.privacy.secure_aggregation))
     (run_dir / "slurm" / "job.sbatch").write_text(job)
     (run_dir / "slurm" / "node-step.sh").write_text(step)
     (run_dir / "slurm" / "node-step.sh").chmod(0o755)
@@ -164,11 +170,15 @@ def client_groups(cfg, count: int) -> list[list[int]]:
     return split_clients(cfg.federation.clients, count, sizes)
 
 
-def write_keys(run_dir: Path, groups: list[list[int]], per_node: int = 0) -> None:
+def write_keys(run_dir: Path, groups: list[list[int]], per_node: int = 0, *,
+               signing: bool = False) -> None:
     """RUN/keys: broker, server and node-K (allowed its clients); with relays (per_node:
     node processes per allocated node), relay-I upstream instead (allowed node I's
     clients), and RUN/site-keys/relay-I for its site: broker, server (the relay, downstream)
-    and its node-K."""
+    and its node-K. With signing (secure aggregation), node-K's Ed25519 identity beside its
+    certificate and every node's public NAME.sign in every folder a node reads, so each
+    client checks every other client's signed keys (SECURITY.md 3a): the files reach the
+    nodes through the job's shared run folder, never through the server."""
     from fedbus.broker.auth import format_addresses, write_keypair
     from fedbus.node.engine import client_address
 
@@ -178,11 +188,12 @@ def write_keys(run_dir: Path, groups: list[list[int]], per_node: int = 0) -> Non
     keys = run_dir / "keys"
     write_keypair(keys, "broker", "broker", force=True)
     write_keypair(keys, "server", "server", force=True)
+    folder_of: dict[int, Path] = {}
     if not per_node:
         for k, ids in enumerate(groups):
             write_keypair(keys, f"node-{k}", "client", force=True, clients=allowed(ids))
-        return
-    for i in range(0, len(groups), per_node):
+            folder_of[k] = keys
+    for i in range(0, len(groups) if per_node else 0, per_node or 1):
         site, members = run_dir / "site-keys" / f"relay-{i // per_node}", groups[i:i + per_node]
         write_keypair(keys, f"relay-{i // per_node}", "client", force=True,
                       clients=allowed([c for g in members for c in g]))
@@ -190,6 +201,16 @@ def write_keys(run_dir: Path, groups: list[list[int]], per_node: int = 0) -> Non
         write_keypair(site, "server", "server", force=True)
         for k, ids in enumerate(members, start=i):
             write_keypair(site, f"node-{k}", "client", force=True, clients=allowed(ids))
+            folder_of[k] = site
+    if signing:
+        from fedbus.node.privacy.identity import write_signing_key
+
+        public = [write_signing_key(folder_of[k], f"node-{k}", allowed(ids), force=True)[0]
+                  for k, ids in enumerate(groups)]
+        for folder in set(folder_of.values()):
+            for pub in public:
+                if pub.parent != folder:
+                    shutil.copyfile(pub, folder / pub.name)
 
 
 def job_state(run_dir: Path) -> str:

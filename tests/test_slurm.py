@@ -126,6 +126,57 @@ def test_relays_a_relay_on_each_allocated_node_sends_one_merged_update(tmp_path,
     assert len({e.get("node") for e in relay_log if e.get("event") == "node joined"}) == 2
 
 
+def test_secure_aggregation_keys_are_signed_and_every_site_verifies_every_node(tmp_path):
+    """Under secure aggregation the job's keys carry each node's Ed25519 identity beside its
+    certificate (relay sites included), and every node's folder holds every other node's
+    public NAME.sign: a key advertisement signed by any node verifies at every other node,
+    for its own clients only."""
+    from fedbus.launch.slurm_cmd import write_keys
+    from fedbus.node.privacy.identity import advert_message, load_identity
+
+    groups = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    write_keys(tmp_path, groups, per_node=2, signing=True)
+    folder = {k: tmp_path / "site-keys" / f"relay-{k // 2}" for k in range(4)}
+    nodes = {k: load_identity(folder[k], f"node-{k}") for k in range(4)}
+    assert all(ident is not None for ident in nodes.values())
+    assert not list((tmp_path / "keys").glob("*.sign_secret"))  # secrets stay on their site
+    for k, ids in enumerate(groups):
+        assert (folder[k] / f"node-{k}.sign_secret").stat().st_mode & 0o077 == 0
+        for c in ids:
+            msg = advert_message(b"fedbus-secagg/run/0", c, b"c" * 32, b"s" * 32)
+            sig = nodes[k].sign(msg)
+            for j, other in nodes.items():
+                assert other.verify(c, sig, msg) is None, (k, j, c)
+            wrong = (c + 2) % 8  # a client of another node: its key does not verify
+            assert nodes[0].verify(wrong, sig, msg) == "its signature does not verify"
+    write_keys(tmp_path / "plain", groups, signing=False)
+    assert not list((tmp_path / "plain").rglob("*.sign*"))
+
+
+@needs_slurm
+def test_secure_aggregation_behind_relays_runs_signed(tmp_path, slurm):
+    """A secure-aggregation job with relays: every node signs its clients' keys with the
+    identity `fedbus slurm` wrote, every round unmasks all four clients' sum through the
+    relay, and no node runs unsigned or refuses a peer."""
+    cfg = write_config(tmp_path / "run.toml", merged(
+        SECTIONS, algorithm={"name": "fedproto"}, federation={"rounds": 2},
+        privacy={"secure_aggregation": True, "secagg_timeout_s": 120.0}))
+    run_dir = tmp_path / "run"
+    job = submit(slurm, str(cfg), "--out", str(run_dir), "--relays", "--tasks-per-node", "2")
+    assert slurm.wait_job(job) == "COMPLETED", job_output(run_dir, job)
+    assert sorted(p.name for p in (run_dir / "site-keys" / "relay-0").glob("*.sign")) == [
+        "node-0.sign", "node-1.sign"]
+    records = [r for r in metrics(run_dir) if "participants" in r]
+    assert len(records) == 2
+    for r in records:
+        assert r["secagg"].get("failed") is None and r["secagg"]["survivors"] == 4, r
+    logs = [line for p in (run_dir / "logs").glob("node-*.jsonl")
+            for line in p.read_text().splitlines()]
+    assert logs
+    assert not [line for line in logs if "secure aggregation" in line and (
+        "refused" in line or "without a signing identity" in line)]
+
+
 def _server_of(run_dir) -> psutil.Process:
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []

@@ -46,6 +46,7 @@ __all__ = [
     "IdentityError",
     "advert_message",
     "load_identity",
+    "signed_dropout_refusal",
     "survivors_message",
     "write_signing_key",
 ]
@@ -119,6 +120,17 @@ class Identity:
         except InvalidSignature:
             return "its signature does not verify"
         return None
+
+
+def signed_dropout_refusal(cfg) -> str | None:
+    """Why a config cannot run signed secure aggregation, or None: every signing client
+    refuses a threshold below floor(2m/3)+1 of its m holders (threshold-too-low), which
+    needs privacy.secagg_dropout below 1/3."""
+    if float(cfg.privacy.secagg_dropout) >= 1 / 3:
+        return (f"privacy.secagg_dropout = {cfg.privacy.secagg_dropout}: signed secure "
+                "aggregation (bus.curve) needs a threshold above 2/3 of a client's holders, "
+                "so secagg_dropout below 1/3")
+    return None
 
 
 def write_signing_key(directory: str | os.PathLike, name: str, clients: str, *,
