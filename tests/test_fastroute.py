@@ -35,17 +35,29 @@ def dealer(ctx, endpoint: str, name: str, rcvhwm: int | None = None) -> zmq.Sock
     return s
 
 
-def recv_all(sock, idle_s: float = 0.5, want: int | None = None, timeout: float = 30.0):
-    """Frame lists until `want` arrived, or nothing came for idle_s."""
+def recv_through(sock, last: bytes, timeout: float = 120.0) -> list[list[bytes]]:
+    """Frame lists up to and including the message whose header is `last`: a marker sent
+    after the rest on the same route, so everything before it has arrived (FIFO per
+    connection) and nothing is left to wait for."""
     out = []
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and (want is None or len(out) < want):
-        if not sock.poll(int(idle_s * 1000)):
-            if want is None:
-                break
-            continue
-        out.append(sock.recv_multipart())
+    while not out or out[-1][0] != last:
+        assert time.monotonic() < deadline, f"{len(out)} messages, not the marker"
+        if sock.poll(200):
+            out.append(sock.recv_multipart())
     return out
+
+
+def recv_one(sock, timeout: float = 120.0) -> list[bytes]:
+    assert sock.poll(int(timeout * 1000)), "nothing came"
+    return sock.recv_multipart()
+
+
+def wait_for(predicate, what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
 
 
 def register(sock, name: str, role: str, clients: list[str]) -> None:
@@ -87,7 +99,8 @@ def stream(fast: bool) -> dict:
         register(server, "srv", "server", [])
         node = dealer(ctx, ep, "n1")
         register(node, "n1", "client", ["c0", "c1"])
-        recv_all(server, want=1)  # its join
+        while wire.decode_header(recv_one(server)[0])["kind"] != "join":
+            pass  # (a heartbeat may come first)
 
         sent = []
 
@@ -120,16 +133,18 @@ def stream(fast: bool) -> dict:
         # rest, and all arrive in order when it reads again
         for i in range(N_FLOOD):
             send([header("update", "c1", "server", seq=100 + i), bytes(20 * 1024)])
-        time.sleep(0.5)
-        at_server = recv_all(server, want=40 + 3 + 1 + N_FLOOD, idle_s=2.0)
-        at_server += recv_all(server)  # nothing more
-        at_node = recv_all(node)
-        # the server's tasks down the same routes
-        for i in range(30):
+        # (the broker holds once the server's pipe and buffers are full: an event, not a
+        # pause a slow machine might not fill)
+        wait_for(lambda: holds, "the broker to hold a message for the server")
+        last_up = header("update", "c1", "server", seq=100 + N_FLOOD)
+        send([last_up, body({"i": "end"})])
+        at_server = recv_through(server, last_up)
+        # the server's tasks down the same routes; the last one comes behind them, and
+        # behind the broker's answers to the node's refused messages
+        for i in range(31):
             server.send_multipart([header("task", "server", f"c{i % 2}", seq=i + 1),
                                    body({"t": i})])
-        at_node += recv_all(node, want=30)
-        at_node += recv_all(node)
+        at_node = recv_through(node, header("task", "server", "c0", seq=31))
     finally:
         stop.set()
         t.join(10)
@@ -153,20 +168,20 @@ def test_c_and_python_loops_route_the_same_stream_the_same_way():
             and _valid(f[0]) and wire.decode_header(f[0])["src"] in ("c0", "c1")
             and wire.decode_header(f[0])["dst"] == "server"]
     got = [m for m in c["server"] if m[0] != "broker"]
-    assert got == want and len(got) == 40 + 3 + 1 + N_FLOOD
+    assert got == want and len(got) == 40 + 3 + 1 + N_FLOOD + 1
     # the server's pipe filled: the broker held a message for it and stopped reading (each
     # way), and everything still arrived in order
     assert c["held"] and py["held"]
     routed, nbytes, refused, bad, reasons = c["counters"]
     tasks = [m for m in c["node"] if m[0] != "broker"]
-    assert routed == len(got) + len(tasks) == len(got) + 30
+    assert routed == len(got) + len(tasks) == len(got) + 31
     assert nbytes == sum(len(h) + len(b) for h, b in got + tasks)
     assert bad == 5 and refused == 2
     assert reasons["message has 1 frame, expected 2 (header, body)"] == 1
     assert reasons["message has 3 frames, expected 2"] == 1
     errors = [m for m in c["node"] if m[0] == "broker"]
     assert sorted(e[3]["code"] for e in errors) == ["forbidden", "forbidden"]
-    assert [m[1] for m in tasks] == [wire.encode_body({"t": i}) for i in range(30)]
+    assert [m[1] for m in tasks] == [wire.encode_body({"t": i}) for i in range(31)]
 
 
 def _valid(hdr: bytes) -> bool:
