@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shutil
 import socket
@@ -119,6 +120,9 @@ class RawNode:
         self.last_tx = 0.0
         self.registered_at = 0.0
         self.on_eval: Callable[[RawNode, str, dict, int], None] | None = None
+        # (node, client, body, round) of each task and secure-aggregation step, as they come
+        self.on_task: Callable[[RawNode, str, dict, int], None] | None = None
+        self.on_secagg: Callable[[RawNode, str, dict, int], None] | None = None
 
     def send(self, frames) -> None:
         self.sock.send_multipart(frames, copy=True)
@@ -159,6 +163,11 @@ class RawNode:
                     self.message("config", "server", {"node": self.name, "run": self.run})
             elif m.kind == "task" and isinstance(m.body, dict):
                 self.tasks.append((m.dst, m.body, m.round))
+                if self.on_task is not None:
+                    self.on_task(self, m.dst, m.body, m.round)
+            elif m.kind == "secagg" and isinstance(m.body, dict):
+                if self.on_secagg is not None:
+                    self.on_secagg(self, m.dst, m.body, m.round)
             elif m.kind == "eval" and isinstance(m.body, dict):
                 self.evals.append((m.dst, m.body, m.round))
                 if self.on_eval is not None:
@@ -215,11 +224,13 @@ def own_counts(task: dict[str, Any], num_classes: int) -> np.ndarray:
 @dataclass
 class Federation:
     """Broker (CURVE), server, honest node c0-2 and the attacker c3; with `relay`, a relay
-    whose site broker serves an honest node c4 and a second attacker c5."""
+    whose site broker serves an honest node c4 and a second attacker c5. With `baseline`,
+    the run without the attacker: c3 (and c5) served by honest nodes with the same keys."""
 
     workdir: Path
     sections: dict[str, dict[str, Any]]
     relay: bool = False
+    baseline: bool = False
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     peaks: dict[str, float] = field(default_factory=dict)
     evil: RawNode | None = None
@@ -267,10 +278,18 @@ class Federation:
     def start(self) -> None:
         from fedbus.broker import auth
         from fedbus.node.config import build_config
-        from fedbus.node.server import build_handler
+        from fedbus.node.server import build_engine
 
         # (before the attacker connects: it must not go silent past the broker's liveness)
-        self.spec = build_handler(build_config(self.sections)).update_spec()["protos"][1]
+        # what any client can compute from the config the server sends: the prototypes'
+        # shape, every client's class sizes (the partition follows from the seed) and the
+        # server's norm bounds
+        self.cfg = build_config(self.sections)
+        engine = build_engine(self.cfg, "attack")
+        self.spec = engine.handler.update_spec()["protos"][1]
+        self.class_sizes = {c: np.asarray(engine.class_max(c), np.int64)
+                            for c in range(self.cfg.federation.clients)}
+        self.norms = engine.norms
 
         self.workdir.mkdir(parents=True, exist_ok=True)
         keys = self.workdir / "keys"
@@ -286,6 +305,9 @@ class Federation:
         self._start("broker", "broker", "--bind", self.endpoint, "--curve", "--keys-dir",
                     str(keys), *HB, "--max-frame-mb", max_mb, "--log-file",
                     str(self.workdir / "broker.jsonl"))
+        if self.baseline:
+            self._start_without_attackers(cfg, keys)
+            return
         self.evil = RawNode(self.endpoint, EVIL, [EVIL_CLIENT],
                             curve=auth.load_peer_curve(keys, EVIL))
         deadline = time.monotonic() + 60
@@ -317,7 +339,27 @@ class Federation:
                 self.site_evil.pump(0.1)
                 self.evil.pump()
 
+    def _start_without_attackers(self, cfg: Path, keys: Path) -> None:
+        """The same federation with honest nodes in the attackers' places."""
+        self._start("server", "server", "--broker", self.endpoint, str(cfg), "--out",
+                    str(self.run_dir), "--keys-dir", str(keys), "--log-file",
+                    str(self.workdir / "server.jsonl"))
+        self._start("node-a", "node", "--broker", self.endpoint, "--clients", "0-2",
+                    "--keys-dir", str(keys), "--key", "node-a", *HB)
+        self._start("node-evil", "node", "--broker", self.endpoint, "--clients",
+                    EVIL_CLIENT[1:], "--keys-dir", str(keys), "--key", EVIL, *HB)
+        if self.relay:
+            site = f"tcp://127.0.0.1:{free_port()}"
+            self._start("relay", "relay", "--upstream", self.endpoint, "--bind", site,
+                        "--keys-dir", str(keys), "--key", "relay-1", *HB, "--max-frame-mb",
+                        str(self.sections["bus"]["max_frame_mb"]), "--log-file",
+                        str(self.workdir / "relay.jsonl"))
+            self._start("node-site", "node", "--broker", site, "--clients",
+                        f"4-{SITE_EVIL_CLIENT[1:]}", *HB)
+
     def pump(self, wait_s: float = 0.0) -> None:
+        if self.evil is None and wait_s:
+            time.sleep(wait_s)
         for node in (self.evil, self.site_evil):
             if node is not None:
                 node.pump(wait_s if node is self.evil else 0.0)
@@ -452,6 +494,12 @@ class Attack:
     relay: bool = False
     attackers: tuple[str, ...] = (EVIL, EVIL_CLIENT)
     test_scale: float = 0.05  # the scale tests/test_adversary.py runs it at
+    # "refused": the judge says the hostile messages were refused; "bounded": they are
+    # accepted (or cost what they cost) and the judge states the effect's figure
+    verdict: str = "refused"
+    # the server's final state must equal a replay of its log without the attacker's
+    # messages; not so for an attacker playing the secure protocol (its steps are accepted)
+    replayable: bool = True
 
 
 def _spec(fed: Federation) -> tuple[int, int]:
@@ -789,12 +837,303 @@ def _record_counts(fed, scale):
     return _answer(fed, make)
 
 
+# ------------------------------------------------------------ a secure-aggregation attacker
+class SecureAttacker:
+    """c3 speaking secure aggregation from the raw socket: a real SecureClient (the node's
+    own client side, fedbus.node.privacy.secure_round) answers each task and each of the
+    server's steps as an honest client does, and the attack replaces one thing: `rule` (the
+    sum form its input masks, in place of its algorithm's), `masked` (the masked update
+    sent) or `reveal` (the shares revealed); `plan` sees each task first. Its plaintext,
+    unless `rule` says otherwise,
+    is an update of zero mass, which adds nothing to the sum. Evaluations are answered
+    with no test samples (NaN), so the rounds do not wait out c3's evaluation deadline."""
+
+    def __init__(self, fed: Federation, *, rule: Any = None,
+                 masked: Callable[[dict], dict] | None = None,
+                 reveal: Callable[[dict], dict] | None = None,
+                 plan: Callable[[dict], None] | None = None):
+        from fedbus.algorithms import get_algorithm
+        from fedbus.algorithms.core.params import resolved_params
+        from fedbus.node.privacy.secure_round import SecureClient
+
+        server_cls = get_algorithm(fed.cfg.algorithm.name).server
+        params = resolved_params(server_cls, dict(fed.cfg.algorithm))
+        self.secure = SecureClient(rule or server_cls.merge_rule(params), params)
+        self.fed, self.masked, self.reveal, self.plan = fed, masked, reveal, plan
+        self.sent = {"keys": 0, "shares": 0, "inputs": 0, "signed": 0, "reveals": 0}
+        self.errors: list[str] = []
+        self.rounds: set[int] = set()  # rounds whose masked input c3 sent
+        # each task, step and evaluation answered once: the raw socket acknowledges
+        # nothing, so the server's peer resends what it sent 10 s before
+        self.answered: set[Any] = set()
+
+    def attach(self, node: RawNode) -> None:
+        node.on_task, node.on_secagg, node.on_eval = self.on_task, self.on_secagg, self.on_eval
+        for dst, body, rnd in list(node.tasks):  # any that came before it was attached
+            self.on_task(node, dst, body, rnd)
+
+    def on_task(self, node: RawNode, dst: str, body: dict, rnd: int) -> None:
+        if "secagg" not in body or body.get("task") in self.answered:
+            return
+        self.answered.add(body.get("task"))
+        if self.plan is not None:
+            self.plan(body)
+        c, d = _spec(self.fed)
+        try:
+            keys = self.secure.begin(dst, body)
+            held = self.secure.ready(dst, update_body(body, np.zeros((c, d), np.float32),
+                                                      np.zeros(c, np.int64)))
+        except Exception as err:
+            self.errors.append(f"task: {type(err).__name__}: {err}")
+            return
+        assert held is None  # (the peers are not known yet: masked at the masking step)
+        self._send(node, "secagg", dst, keys, rnd, "keys")
+
+    def on_secagg(self, node: RawNode, dst: str, body: dict, rnd: int) -> None:
+        step = body.get("step")
+        if (body.get("task"), step) in self.answered:
+            return
+        self.answered.add((body.get("task"), step))
+        try:
+            if step == "peers":
+                self._send(node, "secagg", dst, self.secure.on_peers(dst, body), rnd, "shares")
+            elif step == "masking":
+                update = self.secure.on_masking(dst, body)
+                if update is not None:
+                    self.rounds.add(rnd)
+                    self._send(node, "update", dst,
+                               self.masked(update) if self.masked else update, rnd, "inputs")
+            elif step == "survivors":
+                self._send(node, "secagg", dst, self.secure.on_survivors(dst, body), rnd,
+                           "signed")
+            elif step == "unmask":
+                reveal = self.secure.on_unmask(dst, body)
+                self._send(node, "secagg", dst, self.reveal(reveal) if self.reveal else reveal,
+                           rnd, "reveals")
+        except Exception as err:  # reported by the judge: the attacker's own client refused
+            self.errors.append(f"{step}: {type(err).__name__}: {err}")
+
+    def on_eval(self, node: RawNode, dst: str, body: dict, rnd: int) -> None:
+        if ("eval", body.get("eval")) in self.answered:
+            return
+        self.answered.add(("eval", body.get("eval")))
+        node.message("eval_result", "server", {
+            "eval": body["eval"], "version": body["version"],
+            "metrics": {"acc": float("nan"), "loss": float("nan"), "num_test": 0}},
+            src=dst, round=rnd)
+
+    def _send(self, node: RawNode, kind: str, dst: str, body: dict, rnd: int,
+              what: str) -> None:
+        node.message(kind, "server", body, src=dst, round=rnd)
+        self.sent[what] += 1
+
+    def play(self, timeout: float = 600) -> dict[str, Any]:
+        """Attached to the attacker, every round until the server finishes."""
+        self.attach(self.fed.evil)
+        server = self.fed.procs["server"]
+
+        def over() -> bool:
+            self.fed.pump()
+            return server.poll() is not None
+
+        self.fed.evil.wait(over, timeout, "the run's end", self.fed.check_alive)
+        return {"attacker": self}
+
+
+def _wrong_share(rng: np.random.Generator) -> bytes:
+    """A well-formed Shamir share (field elements, the right length) of nothing."""
+    from fedbus.node.privacy import shamir
+
+    return rng.integers(0, shamir.P, shamir.CHUNKS).astype("<u4").tobytes()
+
+
+def _random_shares(fed, scale):
+    # issue 42 Why 7: honest up to the reveal, then random shares of every secret it holds
+    rng = np.random.default_rng()
+
+    def lie(reveal: dict) -> dict:
+        return {**reveal, "b": {a: _wrong_share(rng) for a in reveal["b"]},
+                "s": {a: _wrong_share(rng) for a in reveal["s"]}}
+
+    return SecureAttacker(fed, reveal=lie).play()
+
+
+def _random_input(fed, scale):
+    # issue 42 Why 7: random bytes as its masked input, of the shape the round asks
+    rng = np.random.default_rng()
+
+    def lie(update: dict) -> dict:
+        packed = update["payload"]["masked"]
+        return {**update, "payload": {"masked": rng.integers(0, 256, packed.shape,
+                                                              dtype=np.uint8)}}
+
+    return SecureAttacker(fed, masked=lie).play()
+
+
+#: what the in-range poisoner takes an honest client's prototype norm to be at least (the
+#: zoo's cnn on digits gives 2-5 untouched): the slack it leaves itself in the server's bound
+HONEST_NORM_GUESS = 10.0
+
+
+class _PoisonSums:
+    """FedProto's sum form as the in-range poisoner writes it (a MergeRule in shape: the
+    SecureClient masks whatever `lift` returns). Per class k: its own mass m_k and a sum
+    along a fixed direction of its choosing, of norm 0.999 max(m_k B, M_k B - H_k h_k): B the
+    server's prototype bound, M_k the cohort's mass of class k, H_k the honest part of it
+    (every client's class sizes follow from the config), h_k what it takes an honest row to
+    be at most: HONEST_NORM_GUESS, or 1.5 x the global prototype its task carries, since
+    FedProto pulls the honest features towards it, at most B (the clip honest clients
+    apply). The server refuses a sum longer than M_k B: this is the longest it accepts if
+    the guess holds (m_k B always holds), so class k's global prototype comes out near
+    B - (H_k / M_k) h_k long (B where c3 alone holds k), however short the honest ones."""
+
+    name = "prototype-sums"
+
+    def __init__(self, fed: Federation):
+        c, d = _spec(fed)
+        self.bound = float(fed.norms.proto)
+        self.own = fed.class_sizes[int(EVIL_CLIENT[1:])].astype(np.float64)
+        self.total = sum(v.astype(np.float64) for v in fed.class_sizes.values())
+        self.direction = np.random.default_rng(42).normal(size=(c, d))
+        self.direction /= np.linalg.norm(self.direction, axis=1, keepdims=True)
+        self.plan({})
+
+    def plan(self, task: dict) -> None:
+        """This round's sums, from the global prototypes the task carries."""
+        glob = (task.get("payload") or {}).get("protos")
+        norms = np.zeros(len(self.own)) if glob is None else \
+            np.linalg.norm(np.asarray(glob, np.float64), axis=1)
+        honest = np.minimum(self.bound, np.maximum(HONEST_NORM_GUESS, 1.5 * norms))
+        b = self.bound
+        length = 0.999 * np.maximum(self.own * b, self.total * b - (self.total - self.own)
+                                    * honest)
+        self.form = {"sums": self.direction * length[:, None], "mass": self.own.copy()}
+
+    def lift(self, payload, num_samples, work, params, client=-1):
+        return self.form
+
+
+def _in_range_poison(fed, scale):
+    # issue 42 Why 10: the longest prototype sum the server's bound lets through, each round
+    rule = _PoisonSums(fed)
+    return SecureAttacker(fed, rule=rule, plan=rule.plan).play()
+
+
+def _global_protos(run_dir: Path) -> np.ndarray | None:
+    """The final global prototypes held (rows of classes the server has), or None."""
+    from fedbus.node.server import read_checkpoint
+
+    try:
+        state = read_checkpoint(run_dir / "checkpoint.fbk")[1]["handler"]
+    except (OSError, KeyError, ValueError):
+        return None
+    protos = state.get("protos")
+    if protos is None:
+        return None
+    protos = np.asarray(protos, np.float64)
+    has = np.asarray(state.get("has", np.ones(len(protos), bool)), bool)
+    return protos[has]
+
+
+def honest_metrics(fed: Federation) -> dict[str, float]:
+    """The honest clients' (not c3, not c5) mean accuracy and prototype accuracy at the
+    run's last evaluation, and the longest global prototype (NaN where none)."""
+    import warnings
+
+    recs = [r for r in _round_records(fed) if r.get("per_client")]
+    last = recs[-1]["per_client"] if recs else {}
+    skip = {EVIL_CLIENT[1:], SITE_EVIL_CLIENT[1:]}
+    out: dict[str, float] = {}
+    for key in ("acc", "proto_acc"):
+        vals = [float(v[key]) for c, v in last.items()
+                if c not in skip and isinstance(v, dict) and v.get(key) is not None]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            out[key] = float(np.nanmean(vals)) if vals else float("nan")
+    protos = _global_protos(fed.run_dir)
+    out["proto_norm"] = float(np.linalg.norm(protos, axis=1).max()) \
+        if protos is not None and len(protos) else float("nan")
+    return out
+
+
+def _attacker_errors(attacker: SecureAttacker) -> str:
+    return f"; c3's own client refused: {attacker.errors[0][:80]}" if attacker.errors else ""
+
+
+def _random_shares_judge(fed, facts):
+    """Every round c3 revealed random shares in still aggregated, no honest client was
+    blamed: c3 blamed (its shares left out), or its shares not among those used."""
+    a: SecureAttacker = facts["attacker"]
+    recs = _round_records(fed)
+    lied = [r for r in recs if r.get("round") in a.rounds]
+    failed = [r for r in lied if (r.get("secagg") or {}).get("failed")]
+    blamed = [sorted((r.get("secagg") or {}).get("blamed", {})) for r in lied]
+    honest_blamed = [b for b in blamed if set(b) - {EVIL_CLIENT}]
+    by_c3 = sum(b == [EVIL_CLIENT] for b in blamed)
+    ok = bool(lied) and a.sent["reveals"] >= len(lied) and not failed and not honest_blamed
+    detail = (f"{a.sent['reveals']} random reveals over {len(lied)} rounds: "
+              f"{len(lied) - len(failed)} aggregated, c3 blamed in {by_c3}")
+    if lied and by_c3 < len(lied):
+        sa = lied[0].get("secagg") or {}
+        holders = (sa.get("neighbours") or 0) + 1
+        detail += (f" (holders sorted, sum rebuilt from the t={sa.get('t')} lowest of "
+                   f"{holders}: c3's shares unused and unchecked)")
+    if honest_blamed:
+        detail += f"; honest blamed: {honest_blamed}"
+    return ok, detail + _attacker_errors(a)
+
+
+def _random_input_judge(fed, facts):
+    """The bound: a round c3 sends random bytes in costs at most that round and blames no
+    honest client. Today such a round fails (nothing unmasked) saying a masked input is
+    malformed, naming no one; a server that finds the culprit would aggregate the others
+    without c3 instead, which this counts too."""
+    a: SecureAttacker = facts["attacker"]
+    recs = _round_records(fed)
+    hit = [r for r in recs if r.get("round") in a.rounds]
+    failed = [r for r in hit if "malformed" in str((r.get("secagg") or {}).get("failed"))]
+    honest_blamed = [r for r in recs if set((r.get("secagg") or {}).get("blamed", {}))
+                     - {EVIL_CLIENT}]
+    recovered = [r for r in hit if not (r.get("secagg") or {}).get("failed")
+                 and int(EVIL_CLIENT[1:]) not in r.get("participants", [])
+                 and r.get("participants")]
+    other = [r for r in recs if r.get("round") not in a.rounds
+             and (r.get("secagg") or {}).get("failed")]
+    ok = bool(hit) and len(failed) + len(recovered) == len(hit) and not honest_blamed \
+        and not other
+    h = honest_metrics(fed)
+    return ok, (f"{len(failed)} of {len(recs)} rounds failed, naming no one; "
+                f"{len(recovered)} aggregated without c3 (c3 sent a random input in "
+                f"{len(hit)}); global protos "
+                f"{'never set' if math.isnan(h['proto_norm']) else 'set'}, honest proto acc "
+                f"{h['proto_acc']:.2f}" + _attacker_errors(a))
+
+
+def _in_range_judge(fed, facts):
+    """The bound: no global prototype longer than the prototype bound B (a poisoned sum
+    longer than mass x B fails its round, nothing unmasked: counted and shown)."""
+    a: SecureAttacker = facts["attacker"]
+    recs = _round_records(fed)
+    hit = [r for r in recs if r.get("round") in a.rounds]
+    failed = [r for r in hit if (r.get("secagg") or {}).get("failed")]
+    h = honest_metrics(fed)
+    bound = float(fed.norms.proto)
+    ok = bool(hit) and h["proto_norm"] <= bound * (1 + 1e-4)
+    why = f"; {len(failed)} refused: {str((failed[0].get('secagg') or {}).get('failed'))[:60]}" \
+        if failed else ""
+    return ok, (f"poison in {len(hit) - len(failed)} of {len(recs)} rounds; global proto "
+                f"norm max {h['proto_norm']:.1f} (bound {bound:g}); honest proto acc "
+                f"{h['proto_acc']:.2f}, acc {h['acc']:.2f}" + why + _attacker_errors(a))
+
+
 def _set(**sections):
     def apply(s):
         for sec, table in sections.items():
             s.setdefault(sec, {}).update(table)
     return apply
 
+
+SECURE = _set(privacy={"secure_aggregation": True, "secagg_timeout_s": 20.0})
 
 ATTACKS = [
     Attack("1", "counts-wrap", "counts [2**62] x C", _counts_wrap,
@@ -824,12 +1163,21 @@ ATTACKS = [
            _huge_body, _huge_judge),
     # issue 42: secure aggregation and DP
     Attack("42.8", "secagg-zero-keys", "32 zero bytes as both keys under secure aggregation",
-           _zero_keys, _zero_keys_judge,
-           sections=_set(privacy={"secure_aggregation": True, "secagg_timeout_s": 20.0})),
+           _zero_keys, _zero_keys_judge, sections=SECURE),
     Attack("42.9", "dp-record-counts", "counts of 2 a class under record-level DP",
            _record_counts, lambda f, x: _rejected_by_server(f, x, "presence flag"),
            # an extractor never trained on the clients' data: what record DP needs
            sections=_set(privacy={"dp": "record"}, train={"epochs": 0})),
+    # c3 plays secure aggregation with a real SecureClient, every round, lying in one step
+    Attack("42.7a", "secagg-random-shares", "well-formed random shares at every reveal",
+           _random_shares, _random_shares_judge, sections=SECURE, replayable=False),
+    Attack("42.7b", "secagg-random-input", "random bytes as its masked input every round",
+           _random_input, _random_input_judge, sections=SECURE, verdict="bounded",
+           replayable=False),
+    Attack("42.10", "secagg-in-range-poison",
+           "the longest prototype sums the aggregate bound accepts, every round",
+           _in_range_poison, _in_range_judge, sections=SECURE, verdict="bounded",
+           replayable=False),
 ]
 BY_NAME = {a.name: a for a in ATTACKS}
 
@@ -848,25 +1196,33 @@ Federation.wire_header = _wire_header  # type: ignore[attr-defined]
 @dataclass
 class Outcome:
     attack: Attack
-    refused: bool
+    refused: bool  # the judge's verdict: refused, or (verdict "bounded") the stated effect
     refused_detail: str
-    unchanged: bool
+    unchanged: bool | None  # None: not judged (an attacker whose steps are accepted)
     unchanged_detail: str
     up: bool
     up_detail: str
     peaks: dict[str, float]
     wall_s: float
+    honest: dict[str, float] = field(default_factory=dict)  # honest_metrics
+    baseline: dict[str, float] | None = None  # honest_metrics of the run without it
 
     @property
     def ok(self) -> bool:
-        return self.refused and self.unchanged and self.up
+        return self.refused and self.unchanged is not False and self.up
+
+
+def attack_sections(attack: Attack, rounds: int = 3,
+                    max_frame_mb: int = 16) -> dict[str, dict[str, Any]]:
+    sections = base_sections(6 if attack.relay else 4, rounds, max_frame_mb)
+    attack.sections(sections)
+    return sections
 
 
 def run_attack(attack: Attack, workdir: Path, *, scale: float = 1.0,
                rounds: int = 3, max_frame_mb: int = 16) -> Outcome:
-    """One attack against a fresh federation; the outcome's four columns."""
-    sections = base_sections(6 if attack.relay else 4, rounds, max_frame_mb)
-    attack.sections(sections)
+    """One attack against a fresh federation; the outcome's columns."""
+    sections = attack_sections(attack, rounds, max_frame_mb)
     fed = Federation(workdir, sections, relay=attack.relay)
     t0 = time.monotonic()
     try:
@@ -878,12 +1234,31 @@ def run_attack(attack: Attack, workdir: Path, *, scale: float = 1.0,
         fed.sample_memory()
     finally:
         fed.close()
-    try:
-        unchanged, why = state_equal(fed.run_dir, set(attack.attackers))
-    except Exception as err:  # a log that cannot be replayed is a failed check, reported
-        unchanged, why = False, f"replay failed: {type(err).__name__}: {err}"
+    if not attack.replayable:
+        unchanged, why = None, "its protocol steps are accepted: not replayed without it"
+    else:
+        try:
+            unchanged, why = state_equal(fed.run_dir, set(attack.attackers))
+        except Exception as err:  # a log that cannot be replayed is a failed check, reported
+            unchanged, why = False, f"replay failed: {type(err).__name__}: {err}"
     return Outcome(attack, refused, detail, unchanged, why, up, up_detail, dict(fed.peaks),
-                   time.monotonic() - t0)
+                   time.monotonic() - t0, honest=honest_metrics(fed))
+
+
+def run_baseline(sections: dict[str, dict[str, Any]], workdir: Path, *,
+                 relay: bool = False) -> dict[str, float]:
+    """The run without the attacker (c3, and c5 behind a relay, honest; the same seed and
+    config): its honest clients' honest_metrics."""
+    fed = Federation(workdir, sections, relay=relay, baseline=True)
+    try:
+        fed.start()
+        fed.finish()
+        up, why = fed.processes_up()
+        if not up:
+            raise RuntimeError(f"the run without the attacker failed: {why}")
+    finally:
+        fed.close()
+    return honest_metrics(fed)
 
 
 # --------------------------------------------------------------------------- CLI
@@ -896,8 +1271,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-frame-mb", type=int, default=64,
                    help="the bus's frame limit, which the huge-body attack fills (default 64, "
                         "the config default)")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="skip the runs without the attacker (one per config; their honest "
+                        "accuracy is the table's 'w/o' column)")
     p.add_argument("--out", default=None, help="keep each federation's folder here")
     p.add_argument("--json", action="store_true", help="print the table as JSON lines")
+
+
+def _pair(with_: float, without: float | None) -> str:
+    """'0.61/0.62' (with / without the attacker), '-' where not measured."""
+    def f(v: float | None) -> str:
+        return "-" if v is None or math.isnan(v) else f"{v:.2f}"
+    return f"{f(with_)}/{f(without)}"
+
+
+def _baseline_for(attack: Attack, root: Path, cache: dict[str, Any],
+                  max_frame_mb: int) -> dict[str, float] | None:
+    """The honest metrics without the attacker, once per config in this bench run."""
+    sections = attack_sections(attack, max_frame_mb=max_frame_mb)
+    key = json.dumps([sections, attack.relay], sort_keys=True, default=str)
+    if key not in cache:
+        folder = root / f"baseline-{len(cache)}"
+        shutil.rmtree(folder, ignore_errors=True)
+        try:
+            cache[key] = run_baseline(sections, folder, relay=attack.relay)
+        except Exception as err:
+            print(f"      no-attacker run for {attack.name}'s config failed: "
+                  f"{type(err).__name__}: {err}"[:300], flush=True)
+            cache[key] = None
+    return cache[key]
 
 
 def main_args(args: argparse.Namespace) -> int:
@@ -910,9 +1312,14 @@ def main_args(args: argparse.Namespace) -> int:
     root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fedbus-attack-"))
     print(f"fedbus bench attack: {len(chosen)} attacks, scale {args.scale}, folders in {root}",
           flush=True)
-    print(f"{'hole':>4}  {'attack':<16} {'refused':<8} {'state':<10} {'up':<4} "
-          f"{'broker MiB':>10} {'server MiB':>10} {'s':>5}  detail")
+    print("(refused: the judge's verdict, 'bounded' where the effect is stated instead; "
+          "acc and proto acc: the honest clients' at the last evaluation, with / without "
+          "the attacker, same seed)")
+    print(f"{'hole':>5}  {'attack':<22} {'refused':<8} {'state':<10} {'up':<4} "
+          f"{'broker MiB':>10} {'server MiB':>10} {'s':>5} {'acc':>9} {'proto acc':>9}  "
+          f"detail")
     failed = 0
+    baselines: dict[str, Any] = {}
     for attack in chosen:
         folder = root / attack.name
         shutil.rmtree(folder, ignore_errors=True)
@@ -920,21 +1327,35 @@ def main_args(args: argparse.Namespace) -> int:
             o = run_attack(attack, folder, scale=args.scale, max_frame_mb=args.max_frame_mb)
         except Exception as err:
             failed += 1
-            print(f"{attack.hole:>4}  {attack.name:<16} ERROR: {type(err).__name__}: {err}"[:300],
-                  flush=True)
+            print(f"{attack.hole:>5}  {attack.name:<22} ERROR: {type(err).__name__}: "
+                  f"{err}"[:300], flush=True)
             continue
+        if not args.no_baseline:
+            o.baseline = _baseline_for(attack, root, baselines, args.max_frame_mb)
         failed += not o.ok
+        base = o.baseline or {}
         if args.json:
             print(json.dumps({"hole": attack.hole, "attack": attack.name,
-                              "refused": o.refused, "unchanged": o.unchanged, "up": o.up,
-                              "peaks_mb": o.peaks, "detail": o.refused_detail,
-                              "state": o.unchanged_detail, "wall_s": o.wall_s}), flush=True)
+                              "verdict": attack.verdict, "refused": o.refused,
+                              "unchanged": o.unchanged, "up": o.up, "peaks_mb": o.peaks,
+                              "detail": o.refused_detail, "state": o.unchanged_detail,
+                              "wall_s": o.wall_s, "honest": o.honest,
+                              "without_attacker": o.baseline}), flush=True)
             continue
-        print(f"{attack.hole:>4}  {attack.name:<16} {'yes' if o.refused else 'NO':<8} "
-              f"{'unchanged' if o.unchanged else 'CHANGED':<10} {'yes' if o.up else 'NO':<4} "
+        verdict = ("yes" if attack.verdict == "refused" else attack.verdict) \
+            if o.refused else "NO"
+        state = {True: "unchanged", False: "CHANGED", None: "n/a"}[o.unchanged]
+        extra = ""
+        if attack.verdict == "bounded" and base:
+            extra = f" | without: proto norm max {base.get('proto_norm', float('nan')):.1f}"
+        print(f"{attack.hole:>5}  {attack.name:<22} {verdict:<8} {state:<10} "
+              f"{'yes' if o.up else 'NO':<4} "
               f"{o.peaks.get('broker', float('nan')):>10.0f} "
-              f"{o.peaks.get('server', float('nan')):>10.0f} {o.wall_s:>5.0f}  "
-              f"{o.refused_detail}" + ("" if o.unchanged else f" | {o.unchanged_detail}")
+              f"{o.peaks.get('server', float('nan')):>10.0f} {o.wall_s:>5.0f} "
+              f"{_pair(o.honest.get('acc', float('nan')), base.get('acc')):>9} "
+              f"{_pair(o.honest.get('proto_acc', float('nan')), base.get('proto_acc')):>9}  "
+              f"{o.refused_detail}" + extra
+              + ("" if o.unchanged is not False else f" | {o.unchanged_detail}")
               + ("" if o.up else f" | {o.up_detail}"), flush=True)
-    print(f"{len(chosen) - failed} of {len(chosen)} attacks held off")
+    print(f"{len(chosen) - failed} of {len(chosen)} attacks held off or bounded")
     return 1 if failed else 0
