@@ -19,6 +19,14 @@ the run finishes with the honest clients. What is checked, per attack:
 * processes up: broker, server, relay and nodes ran to the end, the server exited 0;
 * peak memory: the broker's and the server's peak RSS (VmHWM) in MiB.
 
+Issue 42's attacks against secure aggregation have c3 play the protocol every round with a
+real SecureClient (the node's own client side) driven from the raw socket, lying in one
+step (SecureAttacker): its steps are accepted, so the state is not replayed without it
+("n/a"), and where the hostile input is not refused the judge states its effect as a
+figure instead ("bounded"). Beside each row, the honest clients' accuracy and prototype
+accuracy at the last evaluation, with the attacker and without it: a run of the same
+config and seed with honest nodes in the attackers' places, once per config.
+
 tests/test_adversary.py runs each attack at a small scale (one test per hole); this bench
 runs them all at the issue's scale and prints the table.
 """
