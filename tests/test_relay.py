@@ -10,10 +10,12 @@ import pytest
 from fedbus.algorithms.core.handlers import Work
 from fedbus.algorithms.core.merge import DeltaSums, PrototypeSums
 from fedbus.algorithms.core.protos import aggregate_prototypes
+from fedbus.broker import wire
 from fedbus.broker.wire import Message
 from fedbus.node.server import read_checkpoint
 from fedbus.node.config import build_config
 from fedbus.node.engine import client_address
+from fedbus.node.relay import Relay
 from fedbus.node.server import build_engine, dispatch
 from tests.helpers import (SMALL, Processes, fedbus, free_port, merged, metrics, wait_until,
                            write_config)
@@ -33,10 +35,10 @@ def _final_state(run) -> dict:
 
 
 def _federation(tmp_path, sections, *, relays: bool, name: str,
-                relay_args: tuple = ()) -> tuple:
-    """Broker + server, and nodes hosting clients 0-2 and 3-5: directly, or each node
-    below its own relay (its own site broker), started with `relay_args`. Returns (run dir,
-    Processes)."""
+                relay_args: tuple = ((), ()), clients: tuple = ("0-2", "3-5")) -> tuple:
+    """Broker + server, and two nodes hosting `clients` (0-2 and 3-5): directly, or each
+    node below its own relay (its own site broker), relay i started with relay_args[i].
+    Returns (run dir, Processes)."""
     d = tmp_path / name
     d.mkdir()
     procs = Processes(d)
@@ -45,14 +47,14 @@ def _federation(tmp_path, sections, *, relays: bool, name: str,
     run = d / "run"
     procs.start("broker", "broker", "--bind", broker, *FAST)
     procs.start("server", "server", "--broker", broker, str(cfg), "--out", str(run))
-    for i, clients in enumerate(("0-2", "3-5")):
+    for i, hosted in enumerate(clients):
         target = broker
         if relays:
             site = f"tcp://127.0.0.1:{free_port()}"
             procs.start(f"relay-{i}", "relay", "--upstream", broker, "--bind", site,
-                        "--name", f"relay-{i}", *FAST, *relay_args)
+                        "--name", f"relay-{i}", *FAST, *relay_args[i])
             target = site
-        procs.start(f"node-{i}", "node", "--broker", target, "--clients", clients,
+        procs.start(f"node-{i}", "node", "--broker", target, "--clients", hosted,
                     "--name", f"n{i}", *FAST)
     return run, procs
 
@@ -118,29 +120,32 @@ def test_two_relays_give_the_flat_federations_global_state(tmp_path, algorithm):
     assert summary["rounds_completed"] == 3
 
 
-def test_a_relay_closes_its_round_at_its_deadline_and_a_late_update_is_folded(tmp_path):
-    """Client 2 (below relay-0) is a straggler: its node holds its update until the next
-    round's task (system.hold_clients), so relay-0 merges c0 and c1 at its deadline and
-    forwards c2's update when it comes; the server, whose round closed on its quorum
-    without c2, folds it into the next aggregation with weight 1/sqrt(2)."""
-    # Who is late is decided by events; the relay's deadline (0.1 x the 120 s hard deadline:
-    # 12 s) only has to outlast c0's and c1's training, a liveness margin
-    sections = merged(EQUIV, federation={"rounds": 2, "quorum": 5, "late": "fold",
-                                         "hard_deadline_s": 120.0},
+def test_a_late_update_through_a_relay_is_folded_in_the_next_round(tmp_path):
+    """Client 2 is a straggler by events: its node (below relay-0, with client 1) holds its
+    update until the next round's task (system.hold_clients), and the server's rounds close
+    on a quorum of the other five (c0 and c3-c5 merged by relay-1). Relay-0 forwards
+    its updates as they come (--no-merge: a merging relay would hold c1's until its
+    deadline, as c2's never comes in time); c2's held update leaves its node before c1's
+    answer to the next round, so, FIFO up the same path, it reaches the server before
+    that round can close, which folds it with weight 1/sqrt(2). No deadline decides
+    anything; the relay's deadline is tested event by event below, on its own clock."""
+    sections = merged(EQUIV, federation={"rounds": 2, "quorum": 5, "late": "fold"},
                       algorithm={"name": "fedproto"}, system={"hold_clients": [2]})
     run, procs = _federation(tmp_path, sections, relays=True, name="slow",
-                             relay_args=("--deadline-fraction", "0.1"))
+                             clients=("1-2", "0,3-5"), relay_args=(("--no-merge",), ()))
     try:
         _finish(run, procs, "slow-client")
+        wait_until(lambda: procs.procs["relay-0"].poll() is not None, 120, "relay-0 to stop")
         relay_log = procs.log("relay-0")
     finally:
         procs.close()
     recs = metrics(run)
     assert [r["failures"] for r in recs] == [{"2": "late"}] * 2
-    assert [r["merged"] for r in recs] == [2, 2]
-    assert recs[0]["participants"] == [0, 1, 3, 4, 5]
+    assert [(r["merged"], r["messages_up"]) for r in recs] == [(1, 2)] * 2  # c1, relay-1
+    assert [r["participants"] for r in recs] == [[0, 1, 3, 4, 5], [0, 1, 2, 3, 4, 5]]
     assert recs[1]["stale"] == [[2, 0, 1, pytest.approx(1 / np.sqrt(2))]]
-    assert "round closed at the relay deadline" in relay_log
+    # c1's two updates and c2's first (its second was still held when the run ended)
+    assert "merged_sent=0" in relay_log and "forwarded_updates=3" in relay_log, relay_log
 
 
 def test_relays_under_curve_keys_made_by_keygen(tmp_path):
@@ -330,6 +335,100 @@ def test_a_node_that_registers_again_with_fewer_clients_no_longer_hosts_the_rest
     assert engine.live == {0, 1, 4, 5}
     assert engine.round.failures == {2: "dead", 3: "dead"}
     assert 2 not in engine.host and engine.host[0] == "relay"
+
+
+class _Outbox:
+    """A Peer's sending side, keeping what the relay sends: the relay's round is the subject
+    here, the sockets are tested above."""
+
+    def __init__(self):
+        self.sent: list[Message] = []
+        self.addresses: tuple = ()
+        self.run = ""
+
+    def send(self, kind, dst, body, *, src=None, round=-1, encoded=None):
+        frames = wire.encode(Message(kind, src or "relay-0", dst, body, run="r", round=round))
+        self.sent.append(wire.decode(frames))  # as the wire carries it
+
+    def set_addresses(self, addresses):
+        self.addresses = tuple(addresses)
+
+    def take(self) -> list[Message]:
+        out, self.sent = self.sent, []
+        return out
+
+
+def _from_server(out) -> Message:
+    return wire.decode(wire.encode(Message(out.kind, "server", out.dst, out.body, run="r",
+                                           round=out.round)))
+
+
+def test_a_relay_closes_its_round_at_its_deadline_and_its_late_update_is_folded():
+    """Relay-0 hosts c0-c2 (one site node), n hosts c3-c5 directly; rounds close on a quorum
+    of five. c2 answers round 0 only after round 1's task: at the relay's deadline (on the
+    relay's own clock, handed to close_expired) c0's and c1's updates go up as one merged
+    update, not a moment before; c2's goes up alone when it comes and the server folds it
+    into round 1 with weight 1/sqrt(2). Real relay, real engine, real wire frames; no
+    sockets, no seconds."""
+    raw = {"federation": {"clients": 6, "rounds": 2, "quorum": 5, "late": "fold",
+                          "hard_deadline_s": 120.0, "eval_every": 100},
+           "data": {"dataset": "digits", "partition": "iid"},
+           "model": {"arch": "mlp"}, "algorithm": {"name": "noop"}}
+    engine = build_engine(build_config(raw), "r")
+    relay = Relay("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", "relay-0", deadline_fraction=0.1)
+    relay.up, relay.down = _Outbox(), _Outbox()
+    relay.on_join("n0", [client_address(c) for c in range(3)])
+    relay.on_config("r", {"run": "r", "config": raw})
+    relay.from_site(Message("config", "n0", "server", {"node": "n0", "run": "r"}))
+    assert relay.up.addresses == ("c0", "c1", "c2")
+    assert [m.kind for m in relay.up.take()] == ["config"]  # the relay's answer: configured
+    engine.on_join("relay-0", list(relay.up.addresses), 0.0)
+    engine.on_join("n", [client_address(c) for c in range(3, 6)], 0.0)
+    engine.on_configured("n", "r", 0.0)
+    tasks = engine.on_configured("relay-0", "r", 0.0)
+
+    def round_(tasks, now, late=None):
+        """One round: the relay's tasks through it, c0 and c1 answering at its site, c3-c5
+        at the server; `late` (an update of an earlier round) reaches the relay after
+        this round's tasks. Returns (the relay's messages up, the engine's outputs, c2's
+        task)."""
+        below = {t.dst: t for t in tasks if t.dst in ("c0", "c1", "c2")}
+        for t in below.values():
+            relay.from_server(_from_server(t))
+        assert [m.dst for m in relay.down.take() if m.kind == "task"] == ["c0", "c1", "c2"]
+        group = relay.groups[tasks[0].round]
+        if late is not None:
+            relay.from_site(late)
+        for c in ("c0", "c1"):
+            relay.from_site(_update(below[c]))
+        outs = []
+        for t in tasks:
+            if t.dst in ("c3", "c4", "c5"):
+                outs += dispatch(engine, _update(t), now)
+        relay.close_expired(group.deadline - 1e-3)
+        early = relay.up.take()
+        assert not [m for m in early if m.kind == "merged"], "merged before its deadline"
+        relay.close_expired(group.deadline)
+        up = early + relay.up.take()
+        for m in up:
+            outs += dispatch(engine, m, now + 1)
+        return up, outs, below["c2"]
+
+    up, outs, c2_task = round_(tasks, 1.0)
+    assert [(m.kind, [x[0] for x in m.body["members"]]) for m in up] == \
+        [("merged", ["c0", "c1"])]
+    assert engine.version == 1
+    rec = engine.records[-1]
+    assert rec["failures"] == {"2": "late"} and rec["participants"] == [0, 1, 3, 4, 5]
+    # c2's update of round 0 comes after round 1's task: up alone, folded in round 1
+    tasks = [o for o in outs if o.kind == "task"]
+    up, outs, _ = round_(tasks, 10.0, late=_update(c2_task))
+    assert [(m.kind, m.src) for m in up] == [("update", "c2"), ("merged", "relay-0")]
+    assert relay.stats["late_forwarded"] == 1 and relay.stats["merged_sent"] == 2
+    assert engine.version == 2 and engine.totals["late_folded"] == 1
+    rec = next(ev.record for ev in engine.evals.values())  # the last round's, evaluated now
+    assert rec["round"] == 1 and rec["failures"] == {"2": "late"}
+    assert rec["stale"] == [[2, 0, 1, pytest.approx(1 / np.sqrt(2))]]
 
 
 def test_prototype_sums_merged_in_any_grouping_give_eq_6():
