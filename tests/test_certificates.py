@@ -153,7 +153,7 @@ def test_a_certificate_named_server_cannot_take_the_servers_place(broker_proc, k
         evil = _peer(ep, "server", intruder, role="server")
         with pytest.raises(PeerError, match="no answer from the broker"):
             evil.start(3)
-        refused = wait_for(lambda: b.events("allow-list certificate refused"), 10,
+        refused = wait_for(lambda: b.events("allow-list certificate refused"), 60,
                            message="the refusal in the broker log")
         assert len(refused) == 1, refused
         assert dropped.name in refused[0]["reason"] and "server.key" in refused[0]["reason"]

@@ -96,7 +96,7 @@ def test_messages_sent_before_start_and_acks_empty_the_resend_buffer(tcp_endpoin
     node.start(60)
     got = [recv_kind(server, "update").body["i"] for _ in range(5)]
     assert got == [0, 1, 2, 3, 4]
-    wait_for(lambda: node.unacked_count == 0, 10, message="acks for the early messages")
+    wait_for(lambda: node.unacked_count == 0, 60, message="acks for the early messages")
     assert node.connected
     node.close()
     server.close()
@@ -216,7 +216,7 @@ def test_unroutable_error_is_delivered_and_clears_the_resend_buffer(tcp_endpoint
     assert e.src == "broker" and e.dst == "server"
     assert e.body["code"] == "unroutable" and e.body["dst"] == "nobody"
     assert e.body["seq"] == sent.seq and e.body["kind"] == "task"
-    wait_for(lambda: server.unacked_count == 0, 10, message="the refused message forgotten")
+    wait_for(lambda: server.unacked_count == 0, 60, message="the refused message forgotten")
     server.close()
 
 

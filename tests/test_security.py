@@ -161,7 +161,7 @@ def test_identity_comes_from_the_key(tmp_path, broker_proc, keys, spawn_py):
         p = _peer(ep, "node-a", kdir, role="client", addresses=["c2"])
         with pytest.raises(PeerError, match="no answer from the broker"):
             p.start(3)
-    wait_for(lambda: b.events("connection refused"), 10, message="refusals in the broker log")
+    wait_for(lambda: b.events("connection refused"), 60, message="refusals in the broker log")
     reasons = " ".join(r["reason"] for r in b.events("connection refused"))
     assert "not in the allow-list" in reasons and "plaintext" in reasons
     # a raw socket with a good key that never registered gets "not_registered", no routing
@@ -178,11 +178,12 @@ def test_identity_comes_from_the_key(tmp_path, broker_proc, keys, spawn_py):
     err = wire.decode(raw.recv_multipart())
     assert (err.kind, err.body["code"]) == ("error", "not_registered")
     raw.close()
-    # nothing of any of that reached the server: no join, no update
-    assert server.recv(1.0) is None
-    # the good node keeps working
+    # nothing of any of that reached the server (no join, no update), and the good node
+    # keeps working: the broker answered each of them before the good node's update, so
+    # anything it had let through would reach the server first (FIFO)
     good.send("update", "server", {"ok": 2}, src="c1")
-    assert server.recv(10).body == {"ok": 2}
+    m = server.recv(30)
+    assert (m.kind, m.src, m.body) == ("update", "c1", {"ok": 2}), m
 
     good.close()
     server.close()
@@ -572,7 +573,7 @@ def test_fuzz_from_an_authenticated_client(tmp_path, keys):
     hostile = None
     try:
         procs.start("broker", "broker", "--bind", ep, "--curve", "--keys-dir", str(keys),
-                    "--heartbeat-s", "0.3", "--liveness", "4", "--max-frame-mb", "1",
+                    "--heartbeat-s", "0.3", "--liveness", "10", "--max-frame-mb", "1",
                     "--log-file", str(tmp_path / "broker.jsonl"))
         hostile = Hostile(ep, keys, max_frame=1 << 20)
         hostile.spec_shape = spec_shape
@@ -586,7 +587,7 @@ def test_fuzz_from_an_authenticated_client(tmp_path, keys):
         procs.start("server", "server", "--broker", ep, str(cfg_path), "--out", str(run_dir),
                     "--keys-dir", str(keys))
         procs.start("node", "node", "--broker", ep, "--clients", "0-2", "--keys-dir", str(keys),
-                    "--key", "node-0", "--heartbeat-s", "0.3", "--liveness", "4")
+                    "--key", "node-0", "--heartbeat-s", "0.3", "--liveness", "10")
         deadline = time.monotonic() + 180
         while hostile.task is None and time.monotonic() < deadline:
             assert procs.procs["server"].poll() is None, procs.log("server")[-3000:]
