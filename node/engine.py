@@ -571,9 +571,9 @@ class Engine:
             if self.round.deadline > 0:
                 times.append(self.round.deadline)
             times.append(self.round.hard_deadline)
-            s = self.round.secure
-            if s is not None and s.phase in ("keys", "shares", "consistency", "unmask"):
-                times.append(s.deadline)
+            secure = self.round.secure and self.round.secure.next_deadline()
+            if secure is not None:
+                times.append(secure)
         times += [ev.deadline for ev in self.evals.values()]
         if not self.started and self.start_time is not None:
             times.append(self.start_time + self.fed.get("start_timeout_s", 60.0))
@@ -596,17 +596,13 @@ class Engine:
         elif self.round is not None:
             r = self.round
             s = r.secure
-            if s is not None and s.phase == "keys" and now >= s.deadline:
-                out += self._secure_peers(now)
-            if s is not None and s.phase == "shares" and now >= s.deadline:
-                out += self._secure_masking(now)
-            if s is not None and s.phase == "consistency" and now >= s.deadline:
-                out += self._secure_reveal_asks(now)
-            if s is not None and s.phase in ("consistency", "unmask"):
-                if now >= s.deadline:
-                    out += self._secure_finish(now)
-            elif (r.deadline > 0 and now >= r.deadline
-                  and len(r.updates) >= self.fed.min_updates) or now >= r.hard_deadline:
+            # a secure round unmasking ends on its own deadlines, not the round's
+            closing = s is not None and s.closing()
+            for step in s.on_tick(now) if s is not None else ():
+                out += self._secure_apply(step, now)
+            if not closing and ((r.deadline > 0 and now >= r.deadline
+                                 and len(r.updates) >= self.fed.min_updates)
+                                or now >= r.hard_deadline):
                 out += self._close_round(now)
         return out + self._progress(now)
 
@@ -632,14 +628,11 @@ class Engine:
             return self._start_round(now)
         r = self.round
         if r is not None and r.secure is not None:
-            if r.secure.phase in ("consistency", "unmask"):
+            if r.secure.closing():
                 return []  # the round ends with the survivors' signatures and reveals
-            if r.secure.phase == "keys" and all(c in r.secure.keys or c in r.failures
-                                                for c in r.sampled):
-                return self._secure_peers(now) + self._progress(now)
-            if r.secure.phase == "shares" and all(c in r.secure.sharers or c in r.failures
-                                                  for c in r.secure.keys):
-                return self._secure_masking(now) + self._progress(now)
+            step = r.secure.advance(now, r.failures)
+            if step is not None:
+                return self._secure_apply(step, now) + self._progress(now)
         if r is not None and (r.complete() or self._quorum_met(r)):
             return self._close_round(now)
         return []
@@ -893,8 +886,9 @@ class Engine:
         assert r is not None
         if r.secure is not None and r.secure.phase != "done":
             # the inputs in are the survivors: unmask them first (or finish unmasking)
-            return self._secure_finish(now) if r.secure.phase == "unmask" \
-                else self._secure_unmask(now)
+            for c in r.pending():
+                r.failures[c] = self._silence(r.secure.task_of.get(c))
+            return self._secure_apply(r.secure.close(now), now)
         dropping = {t.client for t in self.tasks.values() if t.round == r.round and t.drops}
         for c in r.pending():
             r.failures[c] = "dropped" if c in dropping else "late"
@@ -1062,7 +1056,7 @@ class Engine:
         return [ClientUpdate(client=-1, payload={"delta": delta}, num_samples=1,
                              work=Work(1, 1.0, 0, 0), version=self.version)]
 
-    # --- secure aggregation (fedbus.node.privacy.secure_round; PROTOCOL.md §12) ---
+    # --- secure aggregation (fedbus.node.privacy.secure_steps; PROTOCOL.md §12) ---
 
     def secure_spec(self) -> dict[str, Any]:
         """The sum form the clients mask: the handler's merge rule's spec."""
@@ -1074,12 +1068,12 @@ class Engine:
         return self.sum_spec
 
     def _secure_round(self, sampled: list[int], now: float) -> Any:
-        from fedbus.node.privacy.secure_round import SecureRound, spec_length
+        from fedbus.node.privacy.secure_steps import SecureRound
 
         # the graph's randomness is the server's secret (the shell sets secagg_key), never
         # the run's seed, which every node knows
         return SecureRound(run_id=self.run_id, round_=self.version, sampled=sampled,
-                           privacy=self.cfg.privacy, length=spec_length(self.secure_spec()),
+                           privacy=self.cfg.privacy, spec=self.secure_spec(),
                            graph_key=self.secagg_key, now=now)
 
     def is_expected_secagg(self, src: str, body: dict[str, Any]) -> str | None:
@@ -1090,147 +1084,50 @@ class Engine:
         step = body.get("step")
         if step not in CLIENT_STEPS:
             return f"step {step!r} is not one of {', '.join(CLIENT_STEPS)}"
-        r = self.round
-        s = r.secure if r is not None else None
+        s = self.round.secure if self.round is not None else None
         if s is None:
             return "no securely aggregated round is in progress"
-        client = client_index(src)
-        if body.get("task") != s.task_of.get(client) or s.task_of.get(client) is None:
-            return f"task {body.get('task')!r} is not {src}'s task of round {r.round}"
-        if step == "keys":
-            if s.phase != "keys" or client in s.keys:
-                return "keys come once, before the round's peers are fixed"
-            if s.task_of[client] not in self.tasks:
-                return f"{src}'s task is over"
-        elif step == "shares":
-            if s.phase != "shares" or client not in s.keys or client in s.sharers:
-                return "shares come once, from a client sent its peers, before masking"
-        elif step == "signed":
-            if s.phase != "consistency" or client not in s.survivors or client in s.signed:
-                return "a survivor-set signature comes once, from a survivor asked to sign"
-        elif s.phase != "unmask" or client not in s.survivors or client in s.revealed:
-            return "a reveal comes once, from a survivor asked to unmask"
-        return None
+        return s.step_problem(src, client_index(src), body, self.tasks)
 
     def secure_input_problem(self, members: list[int], payload: Any) -> str | None:
         """Why a masked input (one client's, or a relay's sum of several) must be refused,
         or None. An input for a round no longer masking is late, not refused."""
-        r = self.round
-        s = r.secure if r is not None else None
-        if s is None or s.phase in ("unmask", "done"):
-            return None  # late: the engine drops it
-        if s.phase != "masking":
-            return "a masked input comes after the server's masking step"
-        if not isinstance(payload, dict) or set(payload) != {"masked"}:
-            return "a masked update's payload is {masked: uint8 [L, B]}"
-        packed = payload["masked"]
-        width = s.ring.ring_bits // 8
-        if not isinstance(packed, np.ndarray) or packed.dtype != np.uint8 or \
-                packed.shape != (s.length, width):
-            return f"masked must be uint8 [{s.length}, {width}]"
-        for c in members:
-            if c not in s.sharers:
-                return f"c{c} sent no shares this round"
-            if c in s.inputs:
-                return f"c{c}'s masked input came already"
-        return None
+        s = self.round.secure if self.round is not None else None
+        return None if s is None else s.input_problem(members, payload)
 
     def on_secagg(self, src: str, body: dict[str, Any], now: float,
                   nbytes: int = 0) -> list[Out]:
-        """A client's step (already judged): keys, shares, or a reveal."""
-        from fedbus.node.privacy.secagg import SecAggError
-
+        """A client's step (already judged): keys, shares, a signature or a reveal."""
         r = self.round
         assert r is not None and r.secure is not None
-        s, step, client = r.secure, body["step"], client_index(src)
+        s, client = r.secure, client_index(src)
         s.bytes_up += nbytes
         self.totals["bytes_up"] += nbytes
-        try:
-            if step == "keys":
-                s.session.add_keys(client, body.get("c_pk"), body.get("s_pk"),
-                                   body.get("sig"))
-                s.keys.add(client)
-                return self._progress(now)
-            if step == "shares":
-                s.session.add_shares(client, _by_client(body.get("shares")))
-                s.sharers.add(client)
-                return self._progress(now)
-            if step == "signed":
-                if body.get("sig") is not None:  # (an unsigned client answers with none)
-                    s.session.add_survivor_signature(client, body.get("sig"))
-                s.signed.add(client)
-                return self._secure_reveal_asks(now) if s.signed >= s.survivors else []
-            s.session.add_reveal(client, _by_client(body.get("b")), _by_client(body.get("s")))
-            s.revealed.add(client)
-        except (SecAggError, ValueError, TypeError) as err:
-            tid = s.task_of.get(client) if step not in ("signed", "reveal") else None
-            return self.on_refused(Refusal("secagg", src, f"{step}: {err}", r.round,
-                                           task=tid if tid in self.tasks else None,
+        step = s.on_step(client, body, now)
+        if step.refused is not None:
+            return self.on_refused(Refusal("secagg", src, step.refused, r.round,
+                                           task=step.task if step.task in self.tasks else None,
                                            answer=False), now)
-        if s.revealed >= s.survivors:
-            return self._secure_finish(now)
-        return []
+        return self._secure_apply(step, now)
 
-    def _secure_peers(self, now: float) -> list[Out]:
-        """Keys are in (or their time is up): fix the neighbour graph, send each its peers.
-        A sampled client that sent no keys cannot take part: its task ends."""
-        from fedbus.node.privacy.secagg import SecAggError, active_threshold
-
+    def _secure_apply(self, step: Any, now: float) -> list[Out]:
+        """Do what a step of the round's secure part asks (secure_steps.Step)."""
         r = self.round
         s = r.secure
-        s.phase, s.deadline = "shares", now + s.timeout
-        self._secure_drop([c for c in r.sampled if c not in s.keys])
-        try:
-            peers = s.session.fix_graph() if s.keys else {}
-        except SecAggError as err:
-            return self._secure_done(now, failed=f"no neighbour graph: {err}")
-        if not peers:
-            return self._secure_done(now, failed="no client sent its keys")
-        first = peers[min(peers)]
-        holders, t = len(first["peers"]), int(first["t"])
-        if s.session.signed() and t < active_threshold(holders):
-            # every signing client would refuse it (threshold-too-low): say so now
-            return self._secure_done(now, failed=(
-                f"threshold {t} of {holders} holders is below {active_threshold(holders)}, "
-                "which signing clients require: set privacy.secagg_dropout below 1/3"))
-        out = []
-        for c in sorted(peers):
-            m = peers[c]
-            out.append(Out("secagg", client_address(c), r.round, {
-                "step": "peers", "task": s.task_of[c], "t": int(m["t"]), "ring": m["ring"],
-                "peers": {client_address(v): list(pk) for v, pk in m["peers"].items()}}))
-        return out
-
-    def _secure_drop(self, clients: list[int]) -> None:
-        """Clients that missed a step cannot take part: their tasks end, as late."""
-        r = self.round
-        for c in clients:
-            tid = r.secure.task_of.get(c)
+        for c in step.drop:  # it missed a step, so cannot take part: its task ends
+            tid = s.task_of.get(c)
             if c not in r.failures:
                 r.failures[c] = self._silence(tid)
             if tid in self.tasks:
                 self._drop_task(tid)
-
-    def _secure_masking(self, now: float) -> list[Out]:
-        """Shares are in (or their time is up): tell each client that sent shares which of
-        its peers did, the peers whose pairwise masks its input carries (Bonawitz et al.'s
-        U2): a client that sent keys but no shares cannot spoil the round."""
-        from fedbus.node.privacy.secagg import SecAggError
-
-        r = self.round
-        s = r.secure
-        s.phase = "masking"
-        self._secure_drop([c for c in sorted(s.keys) if c not in s.sharers])
-        try:
-            lists = s.session.close_shares() if s.sharers else {}
-        except SecAggError as err:
-            return self._secure_done(now, failed=str(err))
-        if not lists:
-            return self._secure_done(now, failed="no client sent its shares")
-        return [Out("secagg", client_address(c), r.round,
-                    {"step": "masking", "task": s.task_of[c],
-                     "sharers": [client_address(v) for v in lists[c]]})
-                for c in sorted(lists)]
+        if step.event is not None:
+            self.events.append(step.event)
+        if step.unmasked is not None:
+            s.end(now, self._secure_judged(step.unmasked))
+        if s.phase == "done":
+            return self._secure_done(now)
+        out = [Out("secagg", client_address(c), r.round, body) for c, body in step.sends]
+        return out + self._progress(now) if step.progress else out
 
     def _secure_input(self, upd: Any, clients: list[int], body: dict[str, Any], nbytes: int,
                       task_round: int, now: float) -> list[Out]:
@@ -1242,13 +1139,11 @@ class Engine:
         params = count_params(body["payload"])
         self.totals["bytes_up"] += nbytes
         self.totals["params_up"] += params
-        if s is None or task_round != r.round or s.phase != "masking":
+        if s is None or not s.on_input(clients, body["payload"], task_round):
             self.totals["late_dropped"] += len(clients)
             self.events.append({"event": "late_dropped", "clients": len(clients),
                                 "secagg": True, "version": self.version})
             return []
-        s.session.add_input(clients, body["payload"]["masked"])
-        s.inputs.update(clients)
         members = upd if isinstance(upd, list) else [upd]
         for u in members:
             u.payload = {}
@@ -1260,72 +1155,13 @@ class Engine:
         r.count_up(nbytes, params)
         return self._progress(now)
 
-    def _secure_unmask(self, now: float) -> list[Out]:
-        """The round closes: the inputs in are the survivors; ask each to unmask."""
-        from fedbus.node.privacy.secagg import SecAggError
-
-        r = self.round
-        s = r.secure
-        for c in r.pending():
-            r.failures[c] = self._silence(s.task_of.get(c))
-        s.phase = "unmask"
-        s.survivors = set(s.inputs)
-        s.reveal_started = now
-        s.deadline = now + s.timeout
-        if len(s.survivors) < 2:  # the "sum" of one input is that input
-            return self._secure_done(now, failed=f"{len(s.survivors)} masked input(s) "
-                                     "arrived: a sum needs two at least")
-        try:
-            s.asks = s.session.unmask_requests()
-        except SecAggError as err:
-            return self._secure_done(now, failed=str(err))
-        self.events.append({"event": "secagg_unmask", "round": r.round,
-                            "survivors": len(s.survivors),
-                            "dropped": len(s.sharers - s.inputs)})
-        if not s.session.signed():
-            return self._secure_reveal_asks(now)
-        # signed keys: the consistency check first (each survivor signs the survivor set;
-        # its holders reveal only on t signatures of the same set)
-        s.phase = "consistency"
-        everyone = [client_address(v) for v in s.session.survivor_set()]
-        return [Out("secagg", client_address(c), r.round,
-                    {"step": "survivors", "task": s.task_of[c], "survivors": everyone})
-                for c in sorted(s.asks)]
-
-    def _secure_reveal_asks(self, now: float) -> list[Out]:
-        """Ask each survivor to reveal: with signed keys once every survivor signed the
-        survivor set or its time is up (each request carries its holders' signatures; a
-        client short of t of them refuses, and the reveals missing fail the round)."""
-        r = self.round
-        s = r.secure
-        s.phase = "unmask"
-        s.deadline = now + s.timeout
-        out = []
-        for c in sorted(s.asks):
-            m = s.asks[c]
-            body = {"step": "unmask", "task": s.task_of[c],
-                    "survivors": [client_address(v) for v in m["survivors"]],
-                    "dropped": [client_address(v) for v in m["dropped"]],
-                    "ciphertexts": {client_address(v): ct for v, ct in m["ciphertexts"].items()}}
-            if s.session.signed():
-                body["signatures"] = {client_address(v): sig
-                                      for v, sig in s.signatures_for(c).items()}
-            out.append(Out("secagg", client_address(c), r.round, body))
-        return out
-
-    def _secure_finish(self, now: float) -> list[Out]:
-        """Every survivor revealed, or the time is up: unmask the sum, check it as the
-        server checks a relay's merged update, hand it to the handler."""
-        from fedbus.node.privacy.secagg import SecAggError
-        from fedbus.node.privacy.secure_round import unflatten
+    def _secure_judged(self, form: dict[str, Any]) -> str | None:
+        """The unmasked sum, checked as the server checks a relay's merged update, becomes
+        the round's one entry for the handler (None), or is refused (why)."""
         from fedbus.node.validate import Rejected, check_merged
 
         r = self.round
         s = r.secure
-        try:
-            form = unflatten(s.session.unmask(), self.secure_spec())
-        except (SecAggError, ValueError) as err:
-            return self._secure_done(now, failed=str(err))
         members = sorted((r.updates[c] for c in s.survivors), key=lambda u: u.client)
         body = {"version": self.version, "payload": form,
                 "members": [[client_address(u.client), s.task_of[u.client], u.num_samples,
@@ -1336,7 +1172,7 @@ class Engine:
                          class_samples=self.class_max, norms=self.norms,
                          count_epochs=self.count_epochs)
         except Rejected as err:
-            return self._secure_done(now, failed=f"the unmasked sum is refused: {err}")
+            return f"the unmasked sum is refused: {err}"
         if self.ledger is not None and self.ledger.mechanism == "client":
             # after the check, which bounds the clients' sum: the server's own noise and
             # denominator are not theirs to be judged by
@@ -1345,23 +1181,20 @@ class Engine:
                                   num_samples=sum(u.num_samples for u in members),
                                   work=members[0].work, version=self.version,
                                   members=tuple(members))]
-        return self._secure_done(now)
+        return None
 
-    def _secure_done(self, now: float, failed: str | None = None) -> list[Out]:
-        """End the secure part of the round; a failure unmasks nothing: the round
-        aggregates no update, its survivors count as failed, and the next round goes on."""
+    def _secure_done(self, now: float) -> list[Out]:
+        """The secure part ended; a failure unmasks nothing: the round aggregates no
+        update, its survivors count as failed, and the next round goes on."""
         r = self.round
         s = r.secure
-        s.phase = "done"
+        failed = s.result.get("failed")
         if failed is not None:
-            s.result = {"failed": failed}
             for c in s.inputs:
                 r.failures[c] = "secagg"
                 r.updates.pop(c, None)
             s.entries = []
             self.events.append({"event": "secagg_failed", "round": r.round, "reason": failed})
-        else:
-            s.result = {"reveal_s": round(now - s.reveal_started, 6)}
         return self._close_round(now)  # (an input still to come is late: dropped)
 
     # --- async ---
@@ -1531,14 +1364,6 @@ class Engine:
 def _tree_add(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     return {k: _tree_add(v, b[k]) if isinstance(v, dict) else np.asarray(v) + b[k]
             for k, v in a.items()}
-
-
-def _by_client(mapping: Any) -> dict[int, Any]:
-    """A wire map keyed by client address as one keyed by client id (ValueError on a key
-    that is no client address)."""
-    if not isinstance(mapping, dict):
-        raise ValueError(f"expected a map of client addresses, got {type(mapping).__name__}")
-    return {client_index(k): v for k, v in mapping.items()}
 
 
 def server_norms(cfg: Config, handler: ServerHandler) -> Norms:

@@ -1,7 +1,8 @@
 """Secure aggregation inside the engine's sync rounds (`privacy.secure_aggregation`).
 
-fedbus.node.privacy.secagg holds the cryptography (SecAgg+: keys, shares, masks, unmasking); this
-module holds what the engine needs around it for one round, and the one sum form a client
+fedbus.node.privacy.secagg holds the cryptography (SecAgg+: keys, shares, masks, unmasking),
+fedbus.node.privacy.secure_steps the server's steps of one round; this module holds the
+client's side (SecureClient), the run's checks and graph key, and the one sum form a client
 masks. The server learns only the sum, over the round's surviving clients, of the sum form
 its algorithm declares (fedbus.algorithms.core.merge: prototype sums and class masses for
 FedProto, logit sums for FD, sample-weighted weight deltas and the sample total for
@@ -186,71 +187,6 @@ def run_graph_key(run_dir: Any, *, create: bool) -> bytes:
     with os.fdopen(fd, "w") as f:
         f.write(key.hex() + "\n")
     return key
-
-
-class SecureRound:
-    """The engine's state of one securely aggregated round around a secagg.ServerSession:
-    its phase, its deadlines, the survivors' task answers. Deterministic in its inputs, the
-    server's secret graph key included (run_graph_key), so a replay of the message log
-    redoes it; without a key (an engine with no run directory) each round's graph is drawn
-    from fresh OS randomness."""
-
-    def __init__(self, *, run_id: str, round_: int, sampled: list[int], privacy: Mapping,
-                 length: int, graph_key: bytes | None, now: float):
-        from fedbus.node.privacy import secagg
-        from fedbus.node.validate import secure_proto_clip
-
-        self.context = f"fedbus-secagg/{run_id}/{round_}"
-        self.ring = secagg.RingParams.for_cohort(float(privacy["secagg_range"]),
-                                                 int(privacy["secagg_frac_bits"]),
-                                                 len(sampled))
-        self.length = int(length)
-        self.timeout = float(privacy["secagg_timeout_s"])
-        self.session = secagg.ServerSession(
-            sampled, self.context.encode(),
-            neighbours=secagg.neighbour_count(len(sampled), int(privacy["secagg_neighbours"])),
-            dropout=float(privacy["secagg_dropout"]), ring=self.ring, graph_key=graph_key)
-        self.clip = secure_proto_clip(privacy)
-        self.phase = "keys"  # keys -> shares -> masking -> [consistency] -> unmask -> done
-        # of the current phase (keys, shares, consistency, unmask)
-        self.deadline = now + self.timeout
-        self.keys: set[int] = set()
-        self.sharers: set[int] = set()
-        self.inputs: set[int] = set()
-        self.survivors: set[int] = set()
-        self.revealed: set[int] = set()
-        self.signed: set[int] = set()  # survivors that signed the survivor set
-        self.asks: dict[int, dict] = {}  # the unmask requests, held while survivors sign
-        self.task_of: dict[int, int] = {}  # client -> its task of this round
-        self.bytes_up = self.bytes_down = 0  # of the steps (the masked inputs are updates)
-        self.entries: list[Any] = []  # the unmasked sum as one merged ClientUpdate
-        self.unmask_started = 0.0
-        self.result: dict[str, Any] = {}
-
-    def task_field(self) -> dict[str, Any]:
-        """What a task carries for the client's ClientSession and its masking."""
-        field = {"context": self.context, "ring": self.ring.to_dict(), "length": self.length}
-        if self.clip > 0:
-            field["clip"] = self.clip
-        return field
-
-    def signatures_for(self, client: int) -> dict[int, bytes]:
-        """The survivor-set signatures the client's unmask request carries (none unsigned)."""
-        return self.session.signatures_for(client) if self.session.signed() else {}
-
-    def record(self) -> dict[str, Any]:
-        """The round record's "secagg" entry."""
-        stats = self.session.stats()
-        return {"survivors": len(self.survivors), "dropped": len(self.sharers - self.inputs),
-                "keys": len(self.keys), "t": stats.get("t"),
-                "neighbours": stats.get("neighbours"), "ring_bits": self.ring.ring_bits,
-                "frac_bits": self.ring.frac_bits,
-                "quant_bound": float(stats.get("quant_bound", 0.0)),
-                "bytes_up": self.bytes_up, "bytes_down": self.bytes_down,
-                **({"excluded": stats["excluded"]} if stats.get("excluded") else {}),
-                **({"blamed": {f"c{c}": why for c, why in stats["blamed"].items()}}
-                   if stats.get("blamed") else {}),
-                **self.result}
 
 
 class SecureClient:
