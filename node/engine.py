@@ -320,6 +320,9 @@ class Engine:
         # checkpoints so a resumed run continues the same stream.
         self.poisson = cfg.privacy.dp == "client"
         self.cohort_rng: np.random.Generator | None = None
+        # Under secure aggregation: the group test that finds a client whose masked input
+        # spoils the sum (fedbus.node.privacy.culprit), drawn from noise_seed as cohort_rng
+        self.culprits: Any = None
         self.records: list[dict[str, Any]] = []  # metrics, drained by the shell
         # Labelled units per training sample (1; H * W pixels for segmentation masks): the
         # shell's bound on an update's per-class counts (fedbus.node.validate).
@@ -700,7 +703,11 @@ class Engine:
             if len(candidates) < self.fed.min_clients or \
                     not self.ledger.run_has_budget(self.fed.fraction):
                 return self._budget_spent(now)
-        sampled = self._sample(candidates, k)
+        if self.secure:  # a search for a spoiler of the sum picks the cohort (culprit.py)
+            search = self._culprit_search()
+            sampled = search.cohort(search.eligible(candidates), k, self._sample)
+        else:
+            sampled = self._sample(candidates, k)
         if self.ledger is not None:  # charged as the tasks go out (a dropout pays too)
             if self.ledger.per_client:  # record, sgd
                 self.ledger.charge_clients(sampled)
@@ -925,6 +932,9 @@ class Engine:
                       merged=len(r.merged))
         if r.secure is not None:
             record["secagg"] = r.secure.record()
+            search = self._culprit_search().record()
+            if search:
+                record["secagg"]["search"] = search
         self.round = None
         return self._after_aggregation(record, now)
 
@@ -1067,6 +1077,14 @@ class Engine:
             self.sum_spec = rule.spec(self.handler)
         return self.sum_spec
 
+    def _culprit_search(self) -> Any:
+        if self.culprits is None:
+            from fedbus.node.privacy.culprit import CulpritSearch
+
+            self.culprits = CulpritSearch(np.random.SeedSequence([self.noise_seed, 0xC1A9]),
+                                          min_cohort=self.fed.min_clients)
+        return self.culprits
+
     def _secure_round(self, sampled: list[int], now: float) -> Any:
         from fedbus.node.privacy.secure_steps import SecureRound
 
@@ -1172,6 +1190,7 @@ class Engine:
                          class_samples=self.class_max, norms=self.norms,
                          count_epochs=self.count_epochs)
         except Rejected as err:
+            s.spoiled = True  # every share was consistent: an input spoiled the sum
             return f"the unmasked sum is refused: {err}"
         if self.ledger is not None and self.ledger.mechanism == "client":
             # after the check, which bounds the clients' sum: the server's own noise and
@@ -1195,6 +1214,13 @@ class Engine:
                 r.updates.pop(c, None)
             s.entries = []
             self.events.append({"event": "secagg_failed", "round": r.round, "reason": failed})
+            if s.spoiled:
+                excluded = self._culprit_search().on_failed(r.round, sorted(s.survivors))
+                if excluded:
+                    self.events.append({
+                        "event": "clients excluded", "round": r.round,
+                        "clients": [client_address(c) for c in excluded],
+                        "reason": self.culprits.excluded[excluded[0]]})
         return self._close_round(now)  # (an input still to come is late: dropped)
 
     # --- async ---
@@ -1329,6 +1355,8 @@ class Engine:
             state["dp"] = self.ledger.state_dict()
         if self.cohort_rng is not None:
             state["cohort_rng"] = json.dumps(self.cohort_rng.bit_generator.state)
+        if self.culprits is not None:
+            state["culprits"] = self.culprits.state_dict()
         if self.stopped:  # ended before its rounds: a resume must see that it ended
             state["stopped"] = {"reason": self.stopped, "rounds": self.rounds}
         return state
@@ -1345,6 +1373,8 @@ class Engine:
         if "cohort_rng" in state:
             self.cohort_rng = np.random.default_rng()
             self.cohort_rng.bit_generator.state = json.loads(state["cohort_rng"])
+        if "culprits" in state:
+            self._culprit_search().load_state_dict(state["culprits"])
         stopped = state.get("stopped")
         if isinstance(stopped, dict):
             self.stopped = str(stopped.get("reason", ""))

@@ -169,6 +169,12 @@ class SecAggError(Exception):
     """Every refusal and failure of secure aggregation (one-line message)."""
 
 
+class SpoiledSum(SecAggError):
+    """The unmasked sum is out of bounds and every revealed share is consistent: some
+    client's masked input spoiled it, and the sum cannot tell whose
+    (fedbus.node.privacy.culprit looks for it across rounds)."""
+
+
 class Refused(SecAggError):
     """A client's refusal of what a server (or whoever carries its messages) asked, under a
     named reason (one of REASONS), which leads the message and is logged on its own."""
@@ -1344,7 +1350,7 @@ class ServerSession:
         """The slow path of unmask: find the holder whose shares are wrong."""
         bad = self._inconsistent(self._secrets())
         if not bad:
-            raise SecAggError("the unmasked sum is out of bounds and every revealed share is "
+            raise SpoiledSum("the unmasked sum is out of bounds and every revealed share is "
                               "consistent: a masked input is malformed (its sender cannot be "
                               "told from the sum)")
         # a liar holds a share of every inconsistent secret

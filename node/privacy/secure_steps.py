@@ -94,6 +94,9 @@ class SecureRound:
         self.entries: list[Any] = []  # the engine's unmasked sum as one merged update
         self.unmask_started = 0.0
         self.result: dict[str, Any] = {}
+        # the sum failed with every share consistent: an input spoiled it (the engine's
+        # spoiler search, fedbus.node.privacy.culprit, then narrows to the survivors)
+        self.spoiled = False
 
     # --- what the engine asks ---
 
@@ -334,12 +337,13 @@ class SecureRound:
     def _finish(self, now: float) -> Step:
         """Every survivor revealed, or the time is up: unmask the sum, for the engine to
         judge as it judges a relay's merged update (then it calls `end`)."""
-        from fedbus.node.privacy.secagg import SecAggError
+        from fedbus.node.privacy.secagg import SecAggError, SpoiledSum
         from fedbus.node.privacy.secure_round import unflatten
 
         try:
             return Step(unmasked=unflatten(self.session.unmask(), self.spec))
         except (SecAggError, ValueError) as err:
+            self.spoiled = isinstance(err, SpoiledSum)
             return self._fail(now, str(err))
 
     # --- the record ---
