@@ -1142,6 +1142,12 @@ def _set(**sections):
 
 
 SECURE = _set(privacy={"secure_aggregation": True, "secagg_timeout_s": 20.0})
+# c3 playing the protocol: a round closes when every client answered (c3 answers its
+# evaluations too), as the soft deadline (3 s) would close it on the attacker's instant
+# masked input while a loaded machine still trains an honest client, and the survivors
+# (so whose shares count) would depend on speed
+SECURE_PLAY = _set(privacy={"secure_aggregation": True, "secagg_timeout_s": 20.0},
+                   federation={"deadline_s": 60.0, "hard_deadline_s": 120.0})
 
 ATTACKS = [
     Attack("1", "counts-wrap", "counts [2**62] x C", _counts_wrap,
@@ -1178,13 +1184,13 @@ ATTACKS = [
            sections=_set(privacy={"dp": "record"}, train={"epochs": 0})),
     # c3 plays secure aggregation with a real SecureClient, every round, lying in one step
     Attack("42.7a", "secagg-random-shares", "well-formed random shares at every reveal",
-           _random_shares, _random_shares_judge, sections=SECURE, replayable=False),
+           _random_shares, _random_shares_judge, sections=SECURE_PLAY, replayable=False),
     Attack("42.7b", "secagg-random-input", "random bytes as its masked input every round",
-           _random_input, _random_input_judge, sections=SECURE, verdict="bounded",
+           _random_input, _random_input_judge, sections=SECURE_PLAY, verdict="bounded",
            replayable=False),
     Attack("42.10", "secagg-in-range-poison",
            "the longest prototype sums the aggregate bound accepts, every round",
-           _in_range_poison, _in_range_judge, sections=SECURE, verdict="bounded",
+           _in_range_poison, _in_range_judge, sections=SECURE_PLAY, verdict="bounded",
            replayable=False),
 ]
 BY_NAME = {a.name: a for a in ATTACKS}

@@ -90,10 +90,10 @@ def test_random_shares_revealed_every_round_cost_no_round_and_blame_no_honest_cl
 
 
 def test_a_random_masked_input_costs_at_most_the_rounds_its_sender_is_in(tmp_path):
-    """Issue 42 Why 7: random bytes as c3's masked input, every round. Today each such
-    round fails saying a masked input is malformed, blaming no one, nothing unmasked (a
-    server that finds the culprit may aggregate the others instead): never an honest
-    client blamed, never a round c3 was not in."""
+    """Issue 42 Why 7: random bytes as c3's masked input, every round it is sampled in.
+    Such a round fails saying a masked input is malformed, blaming no one, nothing
+    unmasked; a server that searches for the culprit may aggregate honest clients instead:
+    never an honest client blamed, never c3's input aggregated."""
     o, recs = _secure_attack(tmp_path, "secagg-random-input")
     for r in recs:
         failed = r["secagg"].get("failed")
@@ -102,7 +102,7 @@ def test_a_random_masked_input_costs_at_most_the_rounds_its_sender_is_in(tmp_pat
             assert "a masked input is malformed" in failed
             assert r["participants"] == []
         else:
-            assert r["participants"] == [0, 1, 2]
+            assert r["participants"] and set(r["participants"]) <= {0, 1, 2}
 
 
 def test_in_range_poison_under_secure_aggregation_is_bounded_by_the_prototype_clip(
