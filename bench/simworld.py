@@ -54,8 +54,9 @@ HEARTBEAT_S, LIVENESS = 1.0, 3
 SNDMORE = zmq.SNDMORE
 # kinds a lossy link may drop or a resending peer duplicate (the rest ride on connection
 # state: a lost join or shutdown is a lost connection, which the link cut models)
-LOSSY = frozenset({"task", "update", "eval", "eval_result", "config", "ack", "heartbeat"})
-DUPLICABLE = frozenset({"task", "update", "eval", "eval_result", "config"})
+LOSSY = frozenset({"task", "update", "eval", "eval_result", "config", "ack", "heartbeat",
+                   "flush", "flushed"})
+DUPLICABLE = frozenset({"task", "update", "eval", "eval_result", "config", "flush", "flushed"})
 FAULT_KINDS = ("node_kill", "node_stop", "link_cut", "server_kill", "server_kill_at_checkpoint",
                "broker_kill")
 
@@ -573,7 +574,10 @@ class World:
                                default=0),
                            "metrics_versions": [int(r.get("version", 0))
                                                 for r in read_metrics(self.run_dir)],
-                           "checkpoint_version": _checkpoint_version(self.run_dir)})
+                           "checkpoint_version": _checkpoint_version(self.run_dir),
+                           # the newest checkpoint still waiting for its flushes, if any
+                           "pending_version": max([p[0] for p in srv.srv._pending],
+                                                  default=None)})
         self.at(self.clock.t + f.hold_s, self.start_server, True)
 
     # ------------------------------------------------------------------ lifecycle
@@ -758,6 +762,8 @@ class SimServer:
 
         e, world = self.srv.engine, self.world
         now = world.clock.time()
+        if self.srv.flush_input(msg):  # (ServerNode's loop: the flush exchange is the shell's)
+            return []
         refusal = judge(e, msg)
         if refusal is not None:
             return e.on_refused(refusal, now)
@@ -810,6 +816,7 @@ class SimNode:
         self.world, self.name, self.alive = world, name, True
         self.node = ClientNode("sim://broker", clients, name=name, state_dir=world.state_dir,
                                heartbeat_s=HEARTBEAT_S, liveness=LIVENESS)
+        self.node.threaded_writer = False  # states written as each flush is handled
         # (ClientNode.serve's Peer: registered for the run of its clients' states on disk)
         self.peer = world.make_peer(self, name, world.node_broker[name], role="client",
                                     addresses=[client_address(c) for c in clients],
@@ -843,6 +850,7 @@ class SimNode:
             from fedbus.node.client_state import ClientStateStore
 
             reason = (msg.body or {}).get("reason")
+            self.node._close_writer(drain=reason == "run complete")
             if self.node.states is None and self.node.state_dir is not None and msg.run and \
                     msg.run == self.peer.run:
                 self.node.states = ClientStateStore(self.node.state_dir, msg.run,

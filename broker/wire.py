@@ -96,6 +96,8 @@ KINDS = frozenset(
         "leave",
         "config",
         "secagg",
+        "flush",
+        "flushed",
     }
 )
 

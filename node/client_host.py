@@ -31,6 +31,7 @@ from fedbus.node.config import Config, build_config
 from fedbus.node.engine import SERVER, client_address, client_index
 from fedbus.node.pool import ClientPool
 from fedbus.node.privacy.prototypes import protect
+from fedbus.node.state_writer import StateWriter
 from fedbus.node.validate import non_finite
 from fedbus.record.msglog import MessageLogWriter
 
@@ -65,6 +66,10 @@ class ClientNode:
         # each client's state after each task (fedbus.node.client_state), for a resume
         self.state_dir = Path(state_dir) if state_dir else None
         self.states: ClientStateStore | None = None
+        # writes the states off the message path, at the server's flushes (state_writer);
+        # not threaded under `fedbus bench sim`, which must be deterministic
+        self.writer: StateWriter | None = None
+        self.threaded_writer = True
         self._unrestored: set[int] = set()  # saved clients not yet restored
         self._resume_cutoff: int | None = None  # the first round seen after the restart
         self.pool: ClientPool | None = None
@@ -123,8 +128,17 @@ class ClientNode:
                             "NAME.sign_secret in the keys folder): keys and survivor sets "
                             "are unsigned, so it holds against an honest-but-curious server "
                             "only (SECURITY.md 3a)")
+        if self.writer is not None:  # a new run: the last one's snapshots are not needed
+            self.writer.close()
+            self.writer = None
         if self.state_dir is not None:
-            self.states = ClientStateStore(self.state_dir, run_id, node=self.name)
+            sync = cfg.federation.mode == "sync"
+            # sync: every file is kept until the first flush says which checkpoint is on disk
+            self.states = ClientStateStore(self.state_dir, run_id, node=self.name,
+                                           durable=0 if sync else None)
+            self.writer = StateWriter(self.states, threaded=self.threaded_writer,
+                                      newest_wins=not sync, name=self.name,
+                                      hold_from=held_flushes(self.name))
             self._unrestored = self.states.clients() & set(self.clients)
             if self._unrestored:
                 log.info("client states found: restored as their clients are first sent "
@@ -160,6 +174,7 @@ class ClientNode:
                     if self.states is None and self.state_dir is not None and msg.run and \
                             msg.run == peer.run:  # its run ended while it was down
                         self.states = ClientStateStore(self.state_dir, msg.run, node=self.name)
+                    self._close_writer(drain=reason == "run complete")
                     if self.states is not None and reason == "run complete":
                         self.states.discard(self.clients)
                     return 0
@@ -167,11 +182,17 @@ class ClientNode:
         except KeyboardInterrupt:
             return 130
         finally:
+            self._close_writer()
             if self.states is not None:  # what a resume had on disk, and what it was spared
                 log.info("client states", path=str(self.states.path), **self.states.stats())
             if self.msglog is not None:
                 self.msglog.close()
             peer.close()
+
+    def _close_writer(self, drain: bool = False) -> None:
+        if self.writer is not None:
+            self.writer.close(drain)
+            self.writer = None
 
     def _recv(self, timeout: float) -> Message | None:
         msg = self.peer.recv(timeout=timeout)
@@ -298,6 +319,8 @@ class ClientNode:
         body = msg.body if isinstance(msg.body, dict) else {}
         if msg.kind == "config":
             self.configure(str(body.get("run", "")), body["config"])
+        elif msg.kind == "flush":
+            self.on_flush(msg)
         elif msg.kind == "error":
             log.warning("server error", **{k: v for k, v in body.items() if k != "payload"})
         elif self.pool is None:
@@ -322,6 +345,26 @@ class ClientNode:
         if self.msglog is not None:
             self.msglog.write("out", time.time(), out.frames)
 
+    def on_flush(self, msg: Message) -> None:
+        """The server's flush (PROTOCOL.md §4.2): `flushed` once every client state snapshot
+        taken before it is on disk (at once without a store: nothing to write)."""
+        body = msg.body if isinstance(msg.body, dict) else {}
+        round_, durable, mark = body.get("round"), body.get("durable"), body.get("mark")
+        if not all(isinstance(v, int) and not isinstance(v, bool)
+                   for v in (round_, durable, mark)):
+            log.warning("malformed flush: ignored", body=str(body)[:200])
+            return
+        peer = self.peer
+
+        def flushed() -> None:  # (from the writer's thread: Peer.send is thread-safe)
+            peer.send("flushed", SERVER, {"round": round_, "mark": mark}, src=self.name,
+                      round=round_)
+
+        if self.writer is None:
+            flushed()
+        else:
+            self.writer.barrier(round_, durable, flushed)
+
     def on_task(self, msg: Message) -> None:
         if not self._admit(msg):
             return
@@ -332,12 +375,15 @@ class ClientNode:
 
     def _finish(self, msg: Message, handler: ClientHandler, update: dict[str, Any],
                 due: float) -> None:
-        """A trained task: the client's state saved (for a resume), its update sent, or
-        held back until `due` (a simulated slow device)."""
+        """A trained task: the client's state snapshot taken (written at the server's next
+        flush, for a resume: client_state's rule), its update sent, or held back until
+        `due` (a simulated slow device)."""
         body = msg.body
         client = client_index(msg.dst)
-        if self.states is not None:  # before the update leaves (client_state: the rule)
-            self.states.save_client(client, msg.round, handler)
+        if self.writer is not None:
+            state = self.states.snapshot_client(client, msg.round, handler)
+            if state is not None:
+                self.writer.put(client, msg.round, state)
         bad = non_finite(update["payload"])
         if bad:  # sent all the same: the server rejects it and ends this task at once
             log.warning("update not finite: the client's model diverged", client=client,
@@ -438,6 +484,20 @@ class ClientNode:
             if masks is not None:
                 result["masks"] = masks
         self._send("eval_result", msg, result)
+
+
+def held_flushes(node: str) -> int | None:
+    """(tests) FEDBUS_HOLD_STATE_WRITES=R or R:NODE: the first round whose flushes this
+    node's writer holds back (client_state's module docstring), or None."""
+    hold = os.environ.get("FEDBUS_HOLD_STATE_WRITES", "")
+    first, _, name = hold.partition(":")
+    if not hold or (name and name != node):
+        return None
+    try:
+        return int(first)
+    except ValueError:
+        raise ValueError(f"FEDBUS_HOLD_STATE_WRITES={hold!r}: expected ROUND or "
+                         "ROUND:NODE") from None
 
 
 WARM_CLIENTS = 64

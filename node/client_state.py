@@ -7,7 +7,7 @@ it itself, after a task its client trains:
 
     STATE_DIR/<run id>/client-<id>-r<round>.pt      (torch.save, loaded with weights_only)
 
-keeping the newest `keep` files per client. Files are keyed by client, not by node, so a
+keeping the files a resume may still need (below). Files are keyed by client, not by node, so a
 node restarted under another name, or hosting other clients, finds them.
 
 In step with the server: the server's checkpoint at version V is written once round V-1
@@ -19,16 +19,30 @@ ignored, as the server redoes them. In async mode the server's checkpoint does n
 for clients in training, so a resumed async run is close to, not equal to, the
 uninterrupted one.
 
-When a state is written (the rule a resume relies on): a task's state is on disk before
-its update leaves the node. The server counts round r done only once every update of it
-has arrived (or its deadline passed), and checkpoints after that, so a node killed at any
-moment has the state of every round a checkpoint counts done; a kill mid-write leaves the
-previous file (written atomically), and that task's update never left. Writing later, from
-a thread, would open a window: the server can receive a round's last update, close the
-round and checkpoint within milliseconds, and a kill before the writer caught up would
-restore an older state under a newer checkpoint, a different experiment. A node can tell
-its last update of a round only from the task's `node_tasks`, which behind a relay counts
-the relay's tasks, not the node's; so the write stays before the send.
+When a state is written (the rule a resume relies on): at the server's checkpoint cadence,
+off the message path, and durable before any checkpoint that counts its round done. After a
+task trains, the node takes a copy of the client's state in memory (a snapshot: the next
+task trains the live model in place) and sends the update at once; the snapshot waits in
+the node's StateWriter. Before the server writes its checkpoint at version V (sync mode:
+once round V-1 has closed and been evaluated) it sends `flush` to every node it sent a task
+since that node's last acknowledged flush, and writes the checkpoint only when each has
+answered `flushed` or left (broker/PROTOCOL.md §4.2); the next round starts meanwhile.
+The flush leaves before the next round's tasks, so a node answers it once the snapshots
+of the rounds before V are on disk (the writer thread writes them then, while the node
+trains round V: one torch.save per changed client per round, never on the path of an
+update). So a checkpoint on disk never counts done a round whose states a
+node could still lose: a node killed before its answer leaves the previous checkpoint, and
+a resume restores each client's newest state of a round before it (newest_before). A
+snapshot is never replaced by a newer one a flush could still need, since the flush after
+its round comes before the next round's tasks (a later snapshot of the same round replaces it:
+a task redone after a server restart; in async mode, where the server flushes nothing, the
+newest snapshot of a client replaces any older one). Files are kept so that the newest one
+before any checkpoint the server may still resume from is there: each flush names the
+version of the server's checkpoint on disk (`durable`), and a client's files older than its
+newest before that version are deleted (async mode: the newest `keep`). A stop writes
+nothing more (what is still in memory is of rounds no checkpoint on disk counts done); a
+completed run writes what is pending, so that each changed state is written exactly once
+whatever the timing of the end (a count a test can rely on), then deletes the states.
 
 What is not written, as no resume can need it: a state unchanged since the client's newest
 file (Fingerprint: torch's change counters, no bytes read; the no-op clients that `fedbus
@@ -37,16 +51,23 @@ model, optimizer and extra state are marked without building its state first,
 live_mark), since a resume restores that file, the same state; an empty state while the
 client has no file, since restoring nothing leaves it in that same initial state; and
 anything in a run that cannot resume its clients (`fedbus run --no-client-state`, `fedbus
-node --state-dir none`: the node makes no store). `written_by_round` and `skipped` count what was done,
-logged by the node as it stops ("client states").
+node --state-dir none`: the node makes no store, and answers a flush at once).
+`written_by_round` and `skipped` count what was done, logged by the node as it stops
+("client states").
+
+For tests: FEDBUS_HOLD_STATE_WRITES=R (every node) or R:NODE makes a node's writer hold
+back every flush of round R or later (nothing of them is written, no `flushed` is sent), so
+that a kill in that window is an event a test can wait for rather than a race.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 import re
+import threading
 import weakref
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -68,84 +89,135 @@ def node_mark(node: str) -> str:
 class ClientStateStore:
     """node: the node's name, marked in the run's folder (node_mark) until discard, so a
     node restarted before its first config knows its run even with no state written yet
-    (last_run)."""
+    (last_run). durable: None keeps the newest `keep` files of a client; an int (sync runs,
+    set from each flush) keeps a client's newest file of a round before it and every newer
+    one (the module's rule). Files are written by write(), from the node's StateWriter
+    thread; what decides whether a state is written (snapshot_client) runs on the node's
+    own thread."""
 
     def __init__(self, root: str | Path, run_id: str, *, keep: int = 2,
-                 node: str | None = None):
+                 node: str | None = None, durable: int | None = None):
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", run_id or ""):
             raise ValueError(f"run id {run_id!r} cannot name a folder")
         self.path = Path(root) / run_id
         self.keep = max(1, keep)
+        self.durable = durable
         self.path.mkdir(parents=True, exist_ok=True)
         self._mark = self.path / node_mark(node) if node is not None else None
         if self._mark is not None:
             self._mark.touch()
+        self._lock = threading.Lock()  # saved and written_by_round: the writer thread's too
         self.saved: dict[int, list[int]] = {}  # client -> rounds on disk, oldest first
         self.written_by_round: Counter[int] = Counter()  # files this store wrote, by round
         self.skipped = 0  # states not written: a resume gets the same without (save's rule)
-        self._newest: dict[int, Fingerprint] = {}  # client -> what its newest file holds
-        self._live: dict[int, Fingerprint] = {}  # client -> live_mark at its newest file
+        self._newest: dict[int, Fingerprint] = {}  # client -> its newest snapshot's mark
+        self._live: dict[int, Fingerprint] = {}  # client -> live_mark at that snapshot
+        self._top: dict[int, int] = {}  # client -> the round of its newest state or snapshot
         for f in self.path.iterdir():
             m = _NAME.fullmatch(f.name)
             if m:
                 self.saved.setdefault(int(m[1]), []).append(int(m[2]))
-        for rounds in self.saved.values():
+        for client, rounds in self.saved.items():
             rounds.sort()
+            self._top[client] = rounds[-1]
 
     def _file(self, client: int, round_: int) -> Path:
         return self.path / f"client-{client}-r{round_}.pt"
 
     def save(self, client: int, round_: int, state: Any, witness: Any = None) -> bool:
-        """Write the client's state after its task of `round_` (atomically: a stop while
-        writing leaves the previous file), then drop all but the newest `keep`; unless a
-        resume would get the same state without it: the state is unchanged since the
-        client's newest file (written by this store; Fingerprint, with `witness`), or it is
-        empty and the client has no file. Returns whether a file was written."""
-        if isinstance(state, Mapping) and not state and client not in self.saved:
+        """Write the client's state after its task of `round_` now, unless a resume would
+        get the same state without it (admit). Returns whether a file was written."""
+        if not self.admit(client, round_, state, witness):
+            return False
+        self.write(client, round_, state)
+        return True
+
+    def admit(self, client: int, round_: int, state: Any, witness: Any = None) -> bool:
+        """Whether the client's state after its task of `round_` is to be written: not if
+        it is unchanged since the client's newest state (written or snapshot by this store;
+        Fingerprint, with `witness`), or empty while the client has none. Notes it as the
+        client's newest when it is."""
+        if isinstance(state, Mapping) and not state and client not in self._top:
             self.skipped += 1
             return False
         mark = Fingerprint(state, witness)
-        if client in self.saved and mark.same(self._newest.get(client)):
+        if client in self._newest and mark.same(self._newest[client]):
             self.skipped += 1
             return False
+        if round_ >= self._top.get(client, -1):
+            self._top[client] = round_
+            self._newest[client] = mark
+        else:  # an older round late: the newest state is not this one
+            self._newest.pop(client, None)
+        return True
+
+    def write(self, client: int, round_: int, state: Any) -> None:
+        """The file of the client's state after its task of `round_` (atomically: a stop
+        while writing leaves the previous file); then the files no resume can need go
+        (prune)."""
         path = self._file(client, round_)
         tmp = path.with_suffix(".tmp")
         torch.save(state, tmp)
         os.replace(tmp, path)
-        rounds = [r for r in self.saved.get(client, []) if r != round_] + [round_]
-        rounds.sort()
-        for old in rounds[:-self.keep]:
-            self._file(client, old).unlink(missing_ok=True)
-        self.saved[client] = rounds[-self.keep:]
-        if rounds[-1] == round_:
-            self._newest[client] = mark
-        else:  # an older round written late: the newest file is not this state
-            self._newest.pop(client, None)
-        self.written_by_round[round_] += 1
-        return True
+        with self._lock:
+            rounds = [r for r in self.saved.get(client, []) if r != round_] + [round_]
+            rounds.sort()
+            self.saved[client] = rounds
+            self.written_by_round[round_] += 1
+        self.prune(client)
 
-    def save_client(self, client: int, round_: int, handler: ClientHandler) -> bool:
-        """save() the handler's state_dict(), its model's gradients the witness; without
-        building that state when the handler's live model, optimizer and extra state are
-        as they were when the client's newest file was written or found the same
-        (live_mark): a node asks after every task, and building a state costs more than
-        the task of a client whose state never changes. Returns whether a file was
-        written."""
+    def prune(self, client: int) -> None:
+        """Delete the client's files no resume can need: with `durable` known, those older
+        than its newest of a round before it; otherwise all but the newest `keep`."""
+        with self._lock:
+            rounds = self.saved.get(client, [])
+            if self.durable is None:
+                gone = rounds[:-self.keep]
+            else:
+                below = [r for r in rounds if r < self.durable]
+                gone = below[:-1]
+            if not gone:
+                return
+            self.saved[client] = [r for r in rounds if r not in gone]
+        for old in gone:
+            self._file(client, old).unlink(missing_ok=True)
+
+    def prune_all(self) -> None:
+        for client in list(self.saved):
+            self.prune(client)
+
+    def snapshot_client(self, client: int, round_: int, handler: ClientHandler) -> Any | None:
+        """The handler's state_dict() after its task of `round_`, copied (the next task
+        trains the live tensors in place), to be written; None where a resume gets the same
+        without it (admit, its model's gradients the witness). The state is not built when
+        the handler's live model, optimizer and extra state are as they were at the
+        client's newest snapshot (live_mark): a node asks after every task, and building a
+        state costs more than the task of a client whose state never changes."""
         live = live_mark(handler)
         if live is not None and client in self._newest and live.same(self._live.get(client)):
             self.skipped += 1
-            return False
-        written = self.save(client, round_, handler.state_dict(),
-                            witness=[p.grad for p in handler.ctx.model.parameters()])
-        if live is not None and client in self._newest:  # the newest file holds this state
+            return None
+        state = handler.state_dict()
+        admitted = self.admit(client, round_, state,
+                              witness=[p.grad for p in handler.ctx.model.parameters()])
+        if live is not None and client in self._newest:  # the newest snapshot is this state
             self._live[client] = live
         else:
             self._live.pop(client, None)
-        return written
+        return _copied(state, {}) if admitted else None
+
+    def save_client(self, client: int, round_: int, handler: ClientHandler) -> bool:
+        """snapshot_client, written now. Returns whether a file was written."""
+        state = self.snapshot_client(client, round_, handler)
+        if state is None:
+            return False
+        self.write(client, round_, state)
+        return True
 
     def newest_before(self, client: int, cutoff: int) -> int | None:
         """The round of the client's newest saved state before round `cutoff`, or None."""
-        rounds = [r for r in self.saved.get(client, []) if r < cutoff]
+        with self._lock:
+            rounds = [r for r in self.saved.get(client, []) if r < cutoff]
         return rounds[-1] if rounds else None
 
     def load(self, client: int, round_: int) -> Any:
@@ -164,7 +236,10 @@ class ClientStateStore:
         for client in clients:
             self._newest.pop(client, None)
             self._live.pop(client, None)
-            for round_ in self.saved.pop(client, []):
+            self._top.pop(client, None)
+            with self._lock:
+                rounds = self.saved.pop(client, [])
+            for round_ in rounds:
                 self._file(client, round_).unlink(missing_ok=True)
         if self._mark is not None:
             self._mark.unlink(missing_ok=True)
@@ -176,12 +251,46 @@ class ClientStateStore:
     def stats(self) -> dict[str, Any]:
         """What this store wrote: files by round (as "round": count), and the states it did
         not write (save's rule)."""
-        return {"written": sum(self.written_by_round.values()), "skipped": self.skipped,
-                "by_round": {str(r): n for r, n in sorted(self.written_by_round.items())}}
+        with self._lock:
+            by_round = sorted(self.written_by_round.items())
+        return {"written": sum(n for _, n in by_round), "skipped": self.skipped,
+                "by_round": {str(r): n for r, n in by_round}}
 
     def clients(self) -> set[int]:
         """The clients with a saved state."""
-        return set(self.saved)
+        with self._lock:
+            return set(self.saved)
+
+
+def _copied(value: Any, memo: dict[int, Any]) -> Any:
+    """A copy of a state that training in place cannot change: tensors cloned (detached),
+    numpy arrays copied, containers rebuilt; an object met twice is copied once, so what
+    the state shares stays shared. copy.deepcopy does the same at ~9x the cost (tensors'
+    __deepcopy__), on the message path."""
+    done = memo.get(id(value))
+    if done is not None:
+        return done
+    kind = type(value)
+    if kind in _EXACT_TYPES or kind is float:
+        return value
+    if isinstance(value, torch.Tensor):
+        out = value.detach().clone()
+    elif isinstance(value, np.ndarray):
+        out = value.copy()
+    elif kind is dict:
+        out = {k: _copied(v, memo) for k, v in value.items()}
+    elif kind is OrderedDict:  # a module's state_dict, with its _metadata (versions)
+        out = OrderedDict((k, _copied(v, memo)) for k, v in value.items())
+        if hasattr(value, "_metadata"):
+            out._metadata = copy.deepcopy(value._metadata)
+    elif kind is list:
+        out = [_copied(v, memo) for v in value]
+    elif kind is tuple:
+        out = tuple(_copied(v, memo) for v in value)
+    else:  # (an OrderedDict, a dataclass, a numpy scalar: their own deep copy)
+        out = copy.deepcopy(value)
+    memo[id(value)] = out
+    return out
 
 
 class Fingerprint:

@@ -113,6 +113,8 @@ class Relay:
         self._running = False
         self._too_large_noted = False
         self.ended = False  # the server's shutdown came (and went down to the site)
+        # the server's flushes not answered yet: (body, round, site nodes yet to answer)
+        self.flushes: list[tuple[dict, int, set[str]]] = []
 
     # --- the loop -----------------------------------------------------------------
 
@@ -183,6 +185,8 @@ class Relay:
             self.on_config(str(body.get("run", "")), body)
         elif kind == "task" and isinstance(body, dict):
             self.on_task(msg)
+        elif kind == "flush" and isinstance(body, dict):
+            self.on_flush(body, msg.round)
         elif kind in ("eval", "error", "secagg") and msg.dst != self.name:
             self.down.send(kind, msg.dst, body, round=msg.round, encoded=msg.frames[1])
         elif kind == "shutdown":
@@ -271,6 +275,11 @@ class Relay:
                 self._advertise()
         elif kind == "update" and isinstance(body, dict):
             self.on_update(msg)
+        elif kind == "flushed" and isinstance(body, dict) and msg.src != BROKER:
+            for fbody, _, waiting in self.flushes:
+                if fbody.get("mark") == body.get("mark"):
+                    waiting.discard(msg.src)
+            self._answer_flushes()
         elif kind in ("eval_result", "error", "secagg") and msg.src != BROKER:
             if kind == "error" and isinstance(body, dict):
                 self._failed(msg.src)
@@ -290,9 +299,26 @@ class Relay:
         self.down.run = run
         self.up.set_run(run)
 
+    def on_flush(self, body: dict, round_: int) -> None:
+        """The server's flush (PROTOCOL.md §4.2): sent on to each of the site's nodes, and
+        answered once each has answered or left."""
+        self.flushes.append((body, round_, set(self.nodes)))
+        for node in self.nodes:
+            self.down.send("flush", node, body, round=round_)
+        self._answer_flushes()
+
+    def _answer_flushes(self) -> None:
+        while self.flushes and not self.flushes[0][2]:
+            body, round_, _ = self.flushes.pop(0)
+            self._up_send("flushed", {"round": body.get("round"), "mark": body.get("mark")},
+                          src=self.name, round=round_)
+
     def on_join(self, node: str, clients: list[str]) -> None:
         self.nodes[node] = clients
         self.configured.discard(node)
+        for body, round_, waiting in self.flushes:  # (one it may have lost with a restart)
+            if node in waiting:
+                self.down.send("flush", node, body, round=round_)
         if self.config is not None:
             self.down.send("config", node, self.config)
         log.info("node joined", node=node, clients=len(clients))
@@ -300,6 +326,9 @@ class Relay:
     def on_leave(self, node: str) -> None:
         clients = self.nodes.pop(node, [])
         self.configured.discard(node)
+        for _, _, waiting in self.flushes:
+            waiting.discard(node)
+        self._answer_flushes()
         for address in clients:
             self._failed(address)
         self._advertise()

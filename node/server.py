@@ -24,7 +24,7 @@ import torch
 from fedbus.algorithms import get_algorithm
 from fedbus.algorithms.core.handlers import ServerContext, ServerHandler, Work
 from fedbus.broker.log import get_logger
-from fedbus.broker.peer import Peer
+from fedbus.broker.peer import Peer, PeerError
 from fedbus.broker.wire import BROADCAST, BROKER, Message, decode_body, encode_body
 from fedbus.models import describe_group
 from fedbus.node.config import Config, ConfigError
@@ -398,6 +398,19 @@ class ServerNode:
         # them must not fill the disk): their counts go into the log as one record
         self._quiet_refusals: dict[str, int] = {}
         self._rejections = RejectionLog()
+        # Client-state flushes (PROTOCOL.md §4.2): a sync checkpoint is written once every
+        # node sent a task before it has its clients' states on disk. Marks count the tasks
+        # sent: a node's last task, the newest flush sent to it and the one it answered.
+        self._peer: Peer | None = None
+        self._tasks_sent = 0
+        self._last_task: dict[str, int] = {}
+        self._flushing: dict[str, int] = {}
+        self._covered: dict[str, int] = {}
+        self._rejoined: set[str] = set()
+        # checkpoints waiting for flushes, oldest first: (version, file, node -> mark)
+        self._pending: list[tuple[int, bytes, dict[str, int]]] = []
+        self._flushed_for: tuple[int, dict[str, int]] | None = None  # (version, waits)
+        self._on_disk = 0  # the version of checkpoint.fbk
 
     def _run_id(self, given: str | None) -> str:
         path = self.run.path / "run_id"
@@ -417,6 +430,7 @@ class ServerNode:
                         records_dropped=dropped)
             return
         raw, state = restore_checkpoint(self.engine, ckpt)
+        self._on_disk = self.engine.version
         dropped = self.run.keep_through(self.engine.version)
         if dropped:
             log.info("records after the checkpoint dropped: their rounds run again",
@@ -427,9 +441,90 @@ class ServerNode:
         log.info("resumed", version=self.engine.version, rounds=self.cfg.federation.rounds)
 
     def _checkpoint(self) -> None:
-        state = self.engine.state_dict()
+        """The engine's state now, as the checkpoint file. In sync mode it is written once
+        every node sent a task since its last answered flush has answered a new one (or
+        left): until then a node could lose client states of rounds it counts done
+        (fedbus.node.client_state's rule). The next round goes on meanwhile."""
+        e = self.engine
+        state = e.state_dict()
         state["wall_s"] = time.time() - self.started
-        atomic_write(self.run.path / "checkpoint.fbk", checkpoint_bytes(state))
+        data = checkpoint_bytes(state)
+        if e.async_mode or e.done:  # async: no exact resume to keep; done: none to resume
+            self._pending.clear()
+            self._write_checkpoint(e.version, data)
+            return
+        asked, self._flushed_for = self._flushed_for, None
+        waits = asked[1] if asked is not None and asked[0] == e.version else \
+            self._flush(e.version)
+        self._pending.append((e.version, data, waits))
+        self._flush_progress()
+
+    def _flush(self, version: int) -> dict[str, int]:
+        """Send `flush` to each live node sent a task since its last answered flush (unless
+        one covering that task is on its way); returns what checkpoint `version` waits for:
+        node -> the mark its answer must reach."""
+        nodes = self.engine.nodes
+        waits = {node: mark for node, mark in self._last_task.items()
+                 if mark > self._covered.get(node, 0) and node in nodes}
+        for node, mark in waits.items():
+            if self._flushing.get(node, 0) < mark:
+                self._send_flush(node, version)
+        return waits
+
+    def _write_checkpoint(self, version: int, data: bytes) -> None:
+        atomic_write(self.run.path / "checkpoint.fbk", data)
+        self._on_disk = version
+
+    def _send_flush(self, node: str, version: int) -> None:
+        """Ask `node` to answer once its client states so far are on disk. Not in the
+        message log: the checkpoint's timing is the shell's, not the engine's."""
+        mark = self._flushing[node] = self._tasks_sent
+        try:
+            self._peer.send("flush", node, {"round": version, "durable": self._on_disk,
+                                            "mark": mark}, round=version)
+        except (ValueError, PeerError) as err:  # (a node name the broker would refuse)
+            log.warning("flush not sent", node=node, error=str(err))
+
+    def flush_input(self, msg: Message) -> bool:
+        """A message of the flush exchange, taken here (True), never by the engine: a
+        node's `flushed`, or the broker's error about a flush (the node is gone: its
+        leave ends the wait). A node's join is noted, so that a flush it may have lost
+        with its last connection is sent again (False: the engine takes the join too)."""
+        kind, body = msg.kind, msg.body
+        if kind == "flushed":
+            node = config_sender(self.engine, msg.src)  # the sender the broker vouches for
+            mark = body.get("mark") if isinstance(body, dict) else None
+            if node is not None and type(mark) is int and \
+                    self._covered.get(node, 0) < mark <= self._flushing.get(node, 0):
+                self._covered[node] = mark
+            return True
+        if kind == "error" and msg.src == BROKER and isinstance(body, dict) and \
+                body.get("kind") == "flush":
+            return True
+        if kind == "join" and msg.src == BROKER and isinstance(body, dict) and self._pending:
+            self._rejoined.add(str(body.get("node")))
+        return False
+
+    def _flush_progress(self) -> None:
+        """Write the newest waiting checkpoint whose nodes have all answered or left (the
+        older ones with it: a newer one waits for at least their marks)."""
+        if not self._pending:
+            return
+        nodes = self.engine.nodes
+        for node in self._rejoined:
+            if node in nodes and any(node in waits for _, _, waits in self._pending) and \
+                    self._covered.get(node, 0) < self._flushing.get(node, 0):
+                self._send_flush(node, self._pending[-1][0])
+        self._rejoined.clear()
+        ready = None
+        for i, (_, _, waits) in enumerate(self._pending):
+            if all(node not in nodes or self._covered.get(node, 0) >= mark
+                   for node, mark in waits.items()):
+                ready = i
+        if ready is not None:
+            version, data, _ = self._pending[ready]
+            del self._pending[:ready + 1]
+            self._write_checkpoint(version, data)
 
     def serve(self) -> int:
         """Run until the engine is done (0), or until SIGINT/SIGTERM (128 + the signal's
@@ -490,8 +585,9 @@ class ServerNode:
                 version = engine.version
                 if msg is not None:
                     ticked = None
-                    refusal = judge(engine, msg)
-                    if refusal is None:
+                    if self.flush_input(msg):
+                        outs = []
+                    elif (refusal := judge(engine, msg)) is None:
                         self._log("in", now, msg.frames, _header(msg))
                         outs = take(engine, msg, now)
                     else:
@@ -573,12 +669,23 @@ class ServerNode:
                 self._log("out", time.time(), msg.frames, _header(msg))
             if out.kind in ("task", "eval", "secagg"):
                 self.engine.note_sent(out, msg.nbytes, count_params(out.body.get("payload")))
+            if out.kind == "task":  # the node's client states change: a flush will ask
+                node = self.engine.host.get(client_index(out.dst))
+                if node is not None:
+                    self._tasks_sent += 1
+                    self._last_task[node] = self._tasks_sent
 
     def _emit(self, peer: Peer, outs: list[Out], version_before: int) -> None:
         """An input's outputs sent and what it changed recorded. The shutdown leaves after
         the last checkpoint is on disk: a server killed between the two resumes to a clean
         end (Engine.on_resumed), while nodes that took the shutdown first would be gone
         for the round it reran."""
+        self._peer = peer
+        e = self.engine
+        if e.records and not e.done and not e.async_mode:
+            # a sync round closed: its checkpoint's flushes leave before the next round's
+            # tasks, so a node answers them before it trains again (PROTOCOL.md §4.2)
+            self._flushed_for = (e.version, self._flush(e.version))
         self._send(peer, [o for o in outs if o.kind != "shutdown"])
         self._record(version_before)
         self._send(peer, [o for o in outs if o.kind == "shutdown"])
@@ -615,6 +722,7 @@ class ServerNode:
             if self.msglog is not None:
                 self._log_quiet(time.time())
                 self.msglog.flush()
+        self._flush_progress()
         now = time.time()
         if now - self._status_at > 0.25 or engine.done:
             self._status_at = now

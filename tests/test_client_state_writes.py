@@ -1,8 +1,10 @@
 """How many client states a node writes (fedbus.node.client_state's rule), counted in real
-federations: one file per task that changed its client's state, written before its update
-leaves; one per client for the no-op clients `fedbus bench rounds` runs, whose state never
-changes; none at all in a run that cannot resume its clients. Counts only: nothing here
-depends on the machine's speed."""
+federations: one file per task that changed its client's state, written by the node's
+writer thread at the server's flush after it (off the message path; what a completed run
+still holds is written as it ends, so the count does not depend on when the end came); one
+per client for the no-op clients `fedbus bench rounds` runs, whose state never changes;
+none at all in a run that cannot resume its clients. Counts only: nothing here depends on
+the machine's speed."""
 from __future__ import annotations
 
 import json
@@ -51,6 +53,19 @@ def test_a_stateful_client_writes_one_state_per_task(tmp_path):
     assert written == tasks
     # the run completed: nothing left to resume
     assert not list((run_dir / "clients").glob("*/client-*.pt"))
+
+
+def test_flushes_never_answered_hold_no_round_back(tmp_path, monkeypatch):
+    """Every node's writer holds back every flush (FEDBUS_HOLD_STATE_WRITES=1): no
+    checkpoint before the last can be written, yet the rounds go on, the run completes, and
+    each trained state is still written once (as the run ends)."""
+    monkeypatch.setenv("FEDBUS_HOLD_STATE_WRITES", "1")
+    run_dir, summary = run_federation(tmp_path, _sections("fedproto"), "--log-level", "info")
+    assert summary["rounds_completed"] == ROUNDS
+    written = Counter()
+    for entry in _state_logs(run_dir):
+        written.update(entry["by_round"])
+    assert written == _tasks_by_round(run_dir)
 
 
 def test_an_unchanging_client_writes_its_state_once(tmp_path):

@@ -81,14 +81,16 @@ def test_async_seeds_run_clean():
 
 
 # A node that misses the run's shutdown learns the run ended and exits, whichever way it
-# missed it (docs/RELIABILITY.md, Simulation, finding 2: each seed below hung before).
+# missed it (docs/RELIABILITY.md, Simulation, finding 2: each scenario below hung before;
+# the seeds were drawn again for the same scenarios when the client-state flushes,
+# PROTOCOL.md §4.2, added frames and so changed every seed's draws).
 
 
-@pytest.mark.parametrize("seed", [293, 116, 127])
+@pytest.mark.parametrize("seed", [293, 116, 426])
 def test_a_node_back_after_the_end_is_told_the_run_ended(seed):
     """It registers after the shutdown, never configured in its life: restarted past the
     end, with its clients' states on disk (293) or before it wrote one (116: its node's
-    mark), or cut off before its config ever came (127: the same process, known to the
+    mark), or cut off before its config ever came (426: the same process, known to the
     broker from the run). The broker sends it the ended run's shutdown."""
     res, world = run_world(seed)
     assert not res.violations, problems(res)
@@ -98,7 +100,7 @@ def test_a_node_back_after_the_end_is_told_the_run_ended(seed):
     assert world.brokers["broker"].n_ended_sent >= len(told)
 
 
-@pytest.mark.parametrize("seed", [272, 270, 217])
+@pytest.mark.parametrize("seed", [270, 378, 448])
 def test_a_server_that_ends_with_the_broker_down_still_delivers_its_shutdown(seed):
     """The broker is down as the last round closes: the server keeps its connection,
     reconnects to the restarted broker and resends the shutdown before it exits."""
@@ -108,7 +110,7 @@ def test_a_server_that_ends_with_the_broker_down_still_delivers_its_shutdown(see
     assert all(world.exited.get(n) == 0 for n in world.nodes)
 
 
-@pytest.mark.parametrize("seed", [48, 57, 76, 97])
+@pytest.mark.parametrize("seed", [33, 57, 61, 97])
 def test_a_node_below_a_relay_that_missed_the_shutdown_is_told_by_its_site_broker(seed):
     """The relay passed the shutdown down and left while a node of its site was away; the
     site's broker kept it under the run its header names and sends it as the node comes
