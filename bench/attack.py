@@ -1110,9 +1110,14 @@ def _random_input_judge(fed, facts):
     ok = bool(hit) and len(failed) + len(recovered) == len(hit) and not honest_blamed \
         and not other
     h = honest_metrics(fed)
+    # the server's culprit search (secagg.search) sits suspects out, then excludes the last
+    excluded = sorted({c for r in recs for c in
+                       ((r.get("secagg") or {}).get("search") or {}).get("excluded", [])})
+    searched = sum(1 for r in recs if (r.get("secagg") or {}).get("search"))
     return ok, (f"{len(failed)} of {len(recs)} rounds failed, naming no one; "
                 f"{len(recovered)} aggregated without c3 (c3 sent a random input in "
-                f"{len(hit)}); global protos "
+                f"{len(hit)}); culprit search over {searched} round(s) excluded "
+                f"{', '.join(excluded) or 'none'}; global protos "
                 f"{'never set' if math.isnan(h['proto_norm']) else 'set'}, honest proto acc "
                 f"{h['proto_acc']:.2f}" + _attacker_errors(a))
 
