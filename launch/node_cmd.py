@@ -40,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--liveness", type=int, default=3)
     p.add_argument("--state-dir", default=None,
                    help="where each client's state is saved after a task that changed it "
-                   "(before its update leaves), so that a resumed server continues with it; "
+                   "(written off the message path when the server's checkpoint asks, "
+                   "PROTOCOL.md §4.2), so that a resumed server continues with it; "
                    "files are keyed by run id and client "
                    "(nodes on one machine can share the folder) and deleted when the run "
                    "completes (default: $XDG_STATE_HOME/fedbus/clients, else "
