@@ -57,6 +57,13 @@ def build_handler(cfg: Config) -> ServerHandler:
     return algo.server(ctx)
 
 
+def presence_counts(privacy: Any) -> bool:
+    """Whether honest clients send class presence flags (0/1) as their counts: record-level
+    DP and privacy.withhold_counts. A count above 1 would then weigh one client's
+    prototypes as that many honest clients' (issue 42 Why 9), so it is refused."""
+    return privacy.dp == "record" or bool(privacy.withhold_counts)
+
+
 def build_engine(cfg: Config, run_id: str) -> Engine:
     reason = privacy_refusal(cfg)  # (a server started by hand skips the launcher's preflight)
     if reason is not None:
@@ -68,9 +75,10 @@ def build_engine(cfg: Config, run_id: str) -> Engine:
     engine.label_pixels = data.label_pixels
     engine.test_sizes = {i: len(data.parts[i].test) for i in range(n)}
     # per-class bounds; segmentation counts pixels: the total bounds only. Record-level DP
-    # sends noisy class presence (a class the client lacks may show, fedbus.node.privacy.dp):
-    # a flag of 1 each, which bounds a relay's or a secure round's summed mass by its members
-    if cfg.privacy.dp == "record":
+    # sends noisy class presence (a class the client lacks may show, fedbus.node.privacy.dp),
+    # withhold_counts plain presence: a flag of 1 each, which bounds a relay's or a secure
+    # round's summed mass by its members
+    if presence_counts(cfg.privacy):
         engine.class_samples = {i: np.ones(data.num_classes, np.int64) for i in range(n)}
     elif data.label_pixels == 1:
         per_class = data.class_counts("train")
@@ -129,7 +137,7 @@ def _judge(engine: Engine, msg: Message) -> Refusal | None:
                          max_bytes=int(engine.cfg.bus.max_frame_mb) << 20,
                          nbytes=msg.nbytes, label_pixels=engine.label_pixels,
                          norms=engine.norms, count_epochs=engine.count_epochs,
-                         presence=engine.cfg.privacy.dp == "record")
+                         presence=presence_counts(engine.cfg.privacy))
         except Rejected as err:  # the client's answer to a live task: that task is over
             return refuse(str(err), task=body["task"])
         return None

@@ -75,7 +75,7 @@ class ClientBounds:
     classes: np.ndarray | None = None
     units: int = 1
     epochs: int = 1
-    presence: bool = False  # counts are presence flags (record-level DP): each 0 or 1
+    presence: bool = False  # counts are presence flags (record DP, withhold_counts): 0/1
 
     def class_max(self, num_classes: int) -> np.ndarray:
         """int64 [C]: the most a count of each class can be."""
@@ -310,8 +310,9 @@ def check_counts(counts: Any, bounds: ClientBounds, num_classes: int,
     if bounds.presence:
         over = next((k for k, n in enumerate(values) if n > 1), None)
         if over is not None:
-            raise Rejected(f"{name}[{over}] = {values[over]}: under record-level DP "
-                           "(privacy.dp = record) a count is a presence flag, 0 or 1")
+            raise Rejected(f"{name}[{over}] = {values[over]}: a count is a presence flag, 0 "
+                           "or 1, where clients send class presence (privacy.dp = record "
+                           "or privacy.withhold_counts)")
     if len(values) == num_classes:
         for k, (n, most) in enumerate(zip(values, bounds.class_max(num_classes).tolist())):
             if n > most:
@@ -349,7 +350,7 @@ def check_update(body: Any, spec: Mapping[str, Any] | None, *,
     masks, whose per-class counts count pixels (at feature resolution, at most H * W a
     sample): counts may then sum to max_samples * label_pixels.
     count_epochs: the passes counts may cover (ServerHandler.count_epochs).
-    presence: counts are presence flags (record-level DP), each 0 or 1.
+    presence: counts are presence flags (record-level DP, withhold_counts), each 0 or 1.
     norms: the server's norm bounds (check_norms); None checks none.
     spec: the declared arrays; None checks none (a relay, which builds no model).
     """

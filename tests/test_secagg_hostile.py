@@ -357,12 +357,43 @@ def test_record_dp_refuses_any_count_above_one_with_the_reason_in_the_task_failu
     assert 1 not in engine.round.failures
 
 
+def test_withheld_counts_are_presence_flags_and_a_count_above_one_is_refused():
+    """privacy.withhold_counts: honest clients send class presence (0/1), as under record
+    DP, so a client's counts of n / C a class would outweigh every honest one (the hole of
+    issue 42 Why 9 without DP): refused, and the mass a relay or secure round may sum is
+    bounded by one a class per member."""
+    cfg = build_config({
+        "federation": {"clients": 4, "rounds": 2, "seed": 3},
+        "data": {"dataset": "digits", "partition": "iid"},
+        "model": {"arch": "mlp"}, "algorithm": {"name": "fedproto"},
+        "privacy": {"withhold_counts": True}})
+    engine = build_engine(cfg, "r")
+    engine.on_join("n", [client_address(c) for c in range(4)], 0.0)
+    tasks = engine.on_configured("n", "r", 0.0)
+    c, d = engine.handler.ctx.num_classes, engine.handler.ctx.feature_dim
+    assert [int(v) for v in engine.class_max(0)] == [1] * c
+    n = int(engine.train_sizes[0])
+    payload = {"protos": np.full((c, d), 0.1, np.float32),
+               "counts": np.full(c, n // c, np.int64)}
+    outs = dispatch(engine, _msg("update", tasks[0].dst,
+                                 {**_update(engine, tasks[0], 0), "payload": payload},
+                                 tasks[0].round), 1.0)
+    errors = [o for o in outs if o.kind == "error"]
+    assert errors and "a count is a presence flag, 0 or 1" in errors[0].body["reason"]
+    assert "withhold_counts" in errors[0].body["reason"]
+    flags = {**payload, "counts": np.ones(c, np.int64)}
+    outs = dispatch(engine, _msg("update", tasks[1].dst,
+                                 {**_update(engine, tasks[1], 1), "payload": flags},
+                                 tasks[1].round), 1.0)
+    assert not [o for o in outs if o.kind == "error"] and 1 not in engine.round.failures
+
+
 def test_check_update_presence_names_the_class():
     body = {"task": 1, "version": 0, "num_samples": 50, "work": {
         "epochs_asked": 1, "epochs_done": 1.0, "steps": 1, "samples": 50},
         "payload": {"counts": np.array([1, 0, 2, 1], np.int64)}}
     check_update(body, None, num_classes=4, max_samples=50)  # counts, not flags: fine
-    with pytest.raises(Rejected, match=r"counts\[2\] = 2: under record-level DP"):
+    with pytest.raises(Rejected, match=r"counts\[2\] = 2: a count is a presence flag"):
         check_update(body, None, num_classes=4, max_samples=50, presence=True)
 
 
