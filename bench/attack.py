@@ -852,9 +852,9 @@ class SecureAttacker:
     server's steps as an honest client does, and the attack replaces one thing: `rule` (the
     sum form its input masks, in place of its algorithm's), `masked` (the masked update
     sent) or `reveal` (the shares revealed); `plan` sees each task first. Its plaintext,
-    unless `rule` says otherwise,
-    is an update of zero mass, which adds nothing to the sum. Evaluations are answered
-    with no test samples (NaN), so the rounds do not wait out c3's evaluation deadline."""
+    unless `rule` says otherwise, is an update of zero mass, which adds nothing to the sum.
+    Evaluations are answered with no test samples (NaN), so the rounds do not wait out
+    c3's evaluation deadline."""
 
     def __init__(self, fed: Federation, *, rule: Any = None,
                  masked: Callable[[dict], dict] | None = None,
