@@ -35,8 +35,8 @@ node could still lose: a node killed before its answer leaves the previous check
 a resume restores each client's newest state of a round before it (newest_before). A
 snapshot is never replaced by a newer one a flush could still need, since the flush after
 its round comes before the next round's tasks (a later snapshot of the same round replaces it:
-a task redone after a server restart; in async mode, where the server flushes nothing, the
-newest snapshot of a client replaces any older one). Files are kept so that the newest one
+a task redone after a server restart). In async mode the server flushes nothing: the writer
+writes each snapshot as soon as it can, a client's newer one replacing one not yet written. Files are kept so that the newest one
 before any checkpoint the server may still resume from is there: each flush names the
 version of the server's checkpoint on disk (`durable`), and a client's files older than its
 newest before that version are deleted (async mode: the newest `keep`). A stop writes

@@ -5,8 +5,9 @@ at once. The server's `flush` (broker/PROTOCOL.md §4.2) is a barrier(): every s
 before it is written (fedbus.node.client_state.ClientStateStore.write), then the barrier's
 `done` runs (the node's `flushed` answer). Snapshots wait in epochs, one per barrier, so a
 snapshot a pending flush needs is never replaced by a newer one; within the open epoch a
-snapshot of the same client and round replaces the older (a redone task), and with
-`newest_wins` (async runs, where no flush comes) any older snapshot of the client.
+snapshot of the same client and round replaces the older (a redone task). Async runs
+(`newest_wins`: no flush comes) write each snapshot as soon as the writer can, a newer
+snapshot of the client replacing one not written yet.
 
 threaded: one writer thread writes while the node serves messages; the first epoch is
 written when its barrier is put, or early while more than `max_pending_bytes` of
@@ -71,9 +72,10 @@ class StateWriter:
                 self._pending_bytes -= old[3]
             epoch.items[key] = (client, round_, state, size)
             self._pending_bytes += size
-            if self._pending_bytes > self.max_pending_bytes:
+            if self.newest_wins or self._pending_bytes > self.max_pending_bytes:
                 self._cond.notify()
-        if self._thread is None and self._pending_bytes > self.max_pending_bytes:
+        if self._thread is None and (self.newest_wins or
+                                     self._pending_bytes > self.max_pending_bytes):
             self._drain()
 
     def barrier(self, round_: int, durable: int | None, done: Callable[[], None]) -> None:
@@ -118,7 +120,7 @@ class StateWriter:
                 first = self._epochs[0]
                 drain = self._draining
                 ready = first.barrier is not None and (drain or not self._held(first))
-                if first.items and (ready or drain or
+                if first.items and (ready or drain or self.newest_wins or
                                     self._pending_bytes > self.max_pending_bytes):
                     key = next(iter(first.items))
                     item = first.items.pop(key)

@@ -52,14 +52,23 @@ def test_a_snapshot_a_flush_needs_is_not_replaced_by_a_newer_one(tmp_path):
     assert store.load(0, 0) == {"step": 10} and store.load(0, 1) == {"step": 1}
 
 
-def test_async_keeps_the_newest_snapshot_of_a_client(tmp_path):
-    store = ClientStateStore(tmp_path, "run1")
+def test_async_writes_each_snapshot_without_waiting_for_a_flush(tmp_path):
+    """No flush comes in async mode: a snapshot is written as soon as the writer can, the
+    newest of a client replacing one not yet written (held here: a full first epoch)."""
+    store = ClientStateStore(tmp_path, "run1", keep=2)
     writer = StateWriter(store, threaded=False, newest_wins=True)
-    for r in range(3):
+    writer.put(4, 0, {"step": 0})
+    assert _rounds_on_disk(store, 4) == [0] and writer.pending() == 0
+    for r in (1, 2, 3):
         writer.put(4, r, {"step": r})
-    assert writer.pending() == 1
-    writer.barrier(3, None, lambda: None)
-    assert _rounds_on_disk(store, 4) == [2]
+    assert _rounds_on_disk(store, 4) == [2, 3]  # the newest `keep`
+    threaded = StateWriter(ClientStateStore(tmp_path, "run2"), newest_wins=True)
+    with threaded._cond:  # the writer cannot take a job while this is held
+        for r in range(3):
+            threaded.put(5, r, {"step": r})
+        assert threaded.pending() == 1
+    threaded.close(drain=True)
+    assert _rounds_on_disk(threaded.store, 5) == [2]
 
 
 def test_a_stop_writes_nothing_more(tmp_path):

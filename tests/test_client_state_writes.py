@@ -68,6 +68,19 @@ def test_flushes_never_answered_hold_no_round_back(tmp_path, monkeypatch):
     assert written == _tasks_by_round(run_dir)
 
 
+def test_an_async_run_writes_states_without_flushes(tmp_path):
+    """Async mode: the server sends no flush; each node writes a trained client's state as
+    soon as its writer can (a newer one of the client replacing one not yet written), so
+    every client aggregated has one written, at the latest as the run completes."""
+    sections = merged(_sections("fedproto"),
+                      federation={"mode": "async", "concurrency": 2, "buffer": 2})
+    run_dir, summary = run_federation(tmp_path, sections, "--log-level", "info")
+    assert summary["rounds_completed"] == ROUNDS
+    aggregated = {int(c) for r in metrics(run_dir) for c in r["participants"]}
+    assert sum(e["written"] for e in _state_logs(run_dir)) >= len(aggregated) >= 2
+    assert not list((run_dir / "clients").glob("*/client-*.pt"))
+
+
 def test_an_unchanging_client_writes_its_state_once(tmp_path):
     # the no-op trains nothing: its model and optimizer stay as built
     run_dir, _ = run_federation(tmp_path, _sections("noop"), "--log-level", "info")
