@@ -53,10 +53,11 @@ def _flat(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def _dp_step(model, x, y, *, lr=0.1, clip=1e4, z=0.0, b=None, seed=0, loss=None):
+def _dp_step(model, x, y, *, lr=0.1, clip=1e4, z=0.0, b=None, seed=0, loss=None,
+             secure_mode=False):
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     with DPSGD(model, opt, clip=clip, noise_multiplier=z, expected_batch_size=b or len(x),
-               generator=torch.Generator().manual_seed(seed)) as dp:
+               generator=torch.Generator().manual_seed(seed), secure_mode=secure_mode) as dp:
         dp.step(loss or _loss(model), x, y)
         return [p.grad_sample.detach().clone() for p in model.parameters()]
 
@@ -143,6 +144,48 @@ def test_the_noise_has_std_lr_z_clip_over_the_expected_batch():
     _dp_step(quiet, x, y, lr=lr, clip=clip, z=0.0, b=b)
     assert float((_flat(noisy) - _flat(quiet)).std()) == pytest.approx(lr * z * clip / b,
                                                                        rel=0.03)
+
+
+def test_secret_noise_sums_four_gaussians_at_the_same_scale():
+    """Under dp_noise = "secret" DP-SGD runs Opacus's secure_mode: each noise value is four
+    Gaussians summed and halved (Holohan and Braghin 2021 s5.1), so no single Gaussian's
+    low bits show in a step; the scale is unchanged and it is not the plain draw."""
+    from scipy import stats
+
+    lr, z, clip, b = 0.1, 2.0, 0.7, 8
+    x, y = _data(0)
+    plain, secure = _model(), _model()
+    start = _flat(plain)
+    _dp_step(plain, x, y, lr=lr, clip=clip, z=z, b=b, seed=3)
+    _dp_step(secure, x, y, lr=lr, clip=clip, z=z, b=b, seed=3, secure_mode=True)
+    step = (_flat(secure) - start).double().numpy()
+    sigma = lr * z * clip / b
+    assert stats.kstest(step / sigma, "norm").pvalue > 1e-3
+    assert not torch.equal(_flat(plain), _flat(secure))
+    # exactly Opacus's secure draw, parameter by parameter: one value thrown away, then
+    # four Gaussians of the parameter's shape summed and halved
+    g, want = torch.Generator().manual_seed(3), []
+    for p in _model().parameters():
+        torch.normal(0.0, z * clip, size=(1, 1), generator=g)
+        four = sum(torch.normal(0.0, z * clip, size=p.shape, generator=g) for _ in range(4))
+        want.append((-lr * four / 2 / b).reshape(-1))
+    assert np.allclose(step, torch.cat(want).double().numpy(), rtol=1e-4, atol=1e-7)
+
+
+def test_a_secret_noise_task_trains_in_secure_mode(monkeypatch):
+    from fedbus.algorithms.core import dp_sgd
+
+    modes = []
+    real = dp_sgd.DPSGD.__init__
+
+    def spy(self, *args, **kwargs):
+        modes.append(kwargs.get("secure_mode", False))
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(dp_sgd.DPSGD, "__init__", spy)
+    _task(7, secret=True)
+    _task(7)  # seeded noise: replayable, so the plain draw
+    assert modes == [True, False]
 
 
 def _ctx(model, x, y, *, batch=8, algorithm=None, dp="sgd", z=1.0, clip=1.0, secret=False):

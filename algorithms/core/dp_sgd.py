@@ -129,7 +129,7 @@ class DPSGD:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, clip: float,
                  noise_multiplier: float, expected_batch_size: int,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, secure_mode: bool = False):
         clip, z = float(clip), float(noise_multiplier)
         if not (clip > 0 and math.isfinite(clip)):
             raise ValueError(f"clip must be positive and finite, got {clip}")
@@ -143,6 +143,10 @@ class DPSGD:
         self.model, self.base_optimizer = model, optimizer
         self.clip, self.z, self.expected_batch_size = clip, z, int(expected_batch_size)
         self.generator = generator
+        # Opacus's secure_mode: each noise value the sum of four Gaussians, halved (Holohan
+        # and Braghin 2021 s5.1), against the floating-point attacks that read one
+        # Gaussian's low bits (Mironov 2012; Jin et al. 2022): node/privacy/dp.py's rule
+        self.secure_mode = bool(secure_mode)
         self.gsm = None
         self.optimizer = None  # the DPOptimizer, while entered
         self._inplace: list[tuple[nn.Module, bool]] = []
@@ -163,7 +167,8 @@ class DPSGD:
             self.optimizer = DPOptimizer(self.base_optimizer, noise_multiplier=self.z,
                                          max_grad_norm=self.clip,
                                          expected_batch_size=self.expected_batch_size,
-                                         loss_reduction="mean", generator=self.generator)
+                                         loss_reduction="mean", generator=self.generator,
+                                         secure_mode=self.secure_mode)
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -270,7 +275,8 @@ def run_dp_sgd(handler: Any, run: Any) -> float:
     privacy = ctx.extra["privacy"]
     n = len(ctx.train_y)
     q, _ = task_sampling(n, int(ctx.train["batch_size"]), run.epochs)
-    sample_seed, noise_seed = _seeds(run.seed, privacy.get("dp_noise", "secret") == "secret")
+    secret = privacy.get("dp_noise", "secret") == "secret"
+    sample_seed, noise_seed = _seeds(run.seed, secret)
     sampler_gen = torch.Generator().manual_seed(sample_seed)
     noise_gen = torch.Generator(device=ctx.device).manual_seed(noise_seed)
     ctx.model.train()
@@ -278,7 +284,7 @@ def run_dp_sgd(handler: Any, run: Any) -> float:
     with DPSGD(ctx.model, handler.optimizer, clip=float(privacy["dp_clip"]),
                noise_multiplier=float(privacy["dp_noise_multiplier"]),
                expected_batch_size=max(1, min(int(ctx.train["batch_size"]), n)),
-               generator=noise_gen) as dp:
+               generator=noise_gen, secure_mode=secret) as dp:
         for x, y in _poisson(ctx, run, q, sampler_gen):
             loss = dp.step(handler.batch_loss, x, y)
             if len(x):
