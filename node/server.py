@@ -326,6 +326,9 @@ class CheckpointError(ValueError):
     """A checkpoint a resume cannot use; the message names the file and what to do."""
 
 
+# checkpoints held in memory while their flushes are answered (a node whose state writes
+# fail never answers: the oldest then goes, so memory stays bounded)
+MAX_PENDING_CHECKPOINTS = 4
 CHECKPOINT_KEYS = ("version", "rng", "next_task_id", "next_eval_id", "totals", "handler")
 # The checkpoint is the encoded state followed by this line and its SHA-256: a truncated
 # file loses the line, a flipped byte fails the digest, and neither is resumed from as if
@@ -465,6 +468,12 @@ class ServerNode:
         waits = asked[1] if asked is not None and asked[0] == e.version else \
             self._flush(e.version)
         self._pending.append((e.version, data, waits))
+        if len(self._pending) > MAX_PENDING_CHECKPOINTS:  # a node that never answers
+            dropped = self._pending.pop(0)
+            log.warning("a checkpoint still waiting for flushes is given up for newer ones",
+                        version=dropped[0], waiting_for=sorted(
+                            n for n, m in dropped[2].items()
+                            if n in e.nodes and self._covered.get(n, 0) < m)[:10])
         self._flush_progress()
 
     def _flush(self, version: int) -> dict[str, int]:
