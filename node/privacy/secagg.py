@@ -52,7 +52,9 @@ every KDF info and every AEAD associated data:
    what the inputs can add up to (a wrong share gives a mask spread over the
    ring) makes the server check every secret with spare shares for consistency
    and leave out the one holder whose removal explains it (``blamed``); a sum
-   out of bounds with consistent shares (a malformed masked input) fails.
+   out of bounds with consistent shares (a malformed masked input) fails. A sum
+   in bounds has its spare shares checked too, and a holder whose wrong shares it
+   did not need is blamed all the same.
 
 Threat model: an honest-but-curious server and relays (they follow the
 protocol and read everything they are sent); clients are honest. Hidden from
@@ -1200,6 +1202,8 @@ class ServerSession:
             total = None
         if total is None or not self._within_bounds(total):
             total = self._unmask_blaming()
+        else:
+            self._blame_unused()
         self._result = decode(total, self.ring)
         return self._result.copy()
 
@@ -1345,6 +1349,25 @@ class ServerSession:
         mag = np.where(v < half, v, (np.uint64(0) - v) & np.uint64((1 << bits) - 1)
                        if bits < 64 else np.uint64(0) - v)
         return bool(np.all(mag <= np.uint64(top)))
+
+    def _blame_unused(self) -> None:
+        """The sum is in bounds, so the t shares each secret was rebuilt from agree with it;
+        a wrong share beyond them changed nothing, but its holder lied all the same: every
+        spare share is checked (one product per set of share indices), and the one holder
+        whose removal leaves every secret consistent is blamed. Several candidates (one
+        spare share of one secret: any of its holders could be the odd one) blame no one."""
+        bad = self._inconsistent(self._secrets())
+        if not bad:
+            return
+        graph = self._need_graph()
+        suspects = set(self._reveals)
+        for _, w in bad:
+            suspects &= set(_holders(w, graph[w]))
+        liars = [h for h in sorted(suspects) if not self._inconsistent(self._secrets({h}))]
+        if len(liars) == 1:
+            self.blamed[liars[0]] = (
+                f"revealed shares inconsistent with the other holders' of {len(bad)} "
+                "secret(s) (spare shares: the sum did not need them)")
 
     def _unmask_blaming(self) -> np.ndarray:
         """The slow path of unmask: find the holder whose shares are wrong."""
