@@ -1070,7 +1070,7 @@ def _attacker_errors(attacker: SecureAttacker) -> str:
 
 def _random_shares_judge(fed, facts):
     """Every round c3 revealed random shares in still aggregated, no honest client was
-    blamed: c3 blamed (its shares left out), or its shares not among those used."""
+    blamed: c3 blamed (its shares left out), or, with one spare share a secret, no one."""
     a: SecureAttacker = facts["attacker"]
     recs = _round_records(fed)
     lied = [r for r in recs if r.get("round") in a.rounds]
@@ -1084,8 +1084,9 @@ def _random_shares_judge(fed, facts):
     if lied and by_c3 < len(lied):
         sa = lied[0].get("secagg") or {}
         holders = (sa.get("neighbours") or 0) + 1
-        detail += (f" (holders sorted, sum rebuilt from the t={sa.get('t')} lowest of "
-                   f"{holders}: c3's shares unused and unchecked)")
+        detail += (f" (t={sa.get('t')} of {holders} holders: one spare share a secret, so "
+                   "c3's shares are found inconsistent, but which holder lied cannot be "
+                   "told; the sum never needed them)")
     if honest_blamed:
         detail += f"; honest blamed: {honest_blamed}"
     return ok, detail + _attacker_errors(a)

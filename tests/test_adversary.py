@@ -78,8 +78,9 @@ def test_random_shares_revealed_every_round_cost_no_round_and_blame_no_honest_cl
         tmp_path):
     """Issue 42 Why 7: random shares at the reveal made every round fail, untraceably. Four
     holders of each secret, t = 3: c3 is the fourth (holders sorted), so the sum is rebuilt
-    from the honest three and c3's lies are neither used nor, the sum being in bounds,
-    looked at; a liar among the first t is blamed (tests/test_secagg_hostile.py)."""
+    from the honest three; its spare shares are checked and found inconsistent, but with
+    one spare a secret any holder could be the odd one, so no one is blamed (with more
+    spares, or a liar among the first t, it is: tests/test_secagg_hostile.py)."""
     o, recs = _secure_attack(tmp_path, "secagg-random-shares")
     for r in recs:
         assert r["secagg"].get("failed") is None, r["secagg"]
