@@ -1084,9 +1084,10 @@ def _random_shares_judge(fed, facts):
     if lied and by_c3 < len(lied):
         sa = lied[0].get("secagg") or {}
         holders = (sa.get("neighbours") or 0) + 1
-        detail += (f" (t={sa.get('t')} of {holders} holders: one spare share a secret, so "
-                   "c3's shares are found inconsistent, but which holder lied cannot be "
-                   "told; the sum never needed them)")
+        seen = [int((r.get("secagg") or {}).get("inconsistent", 0)) for r in lied]
+        detail += (f" (t={sa.get('t')} of {holders} holders: one spare share a secret; "
+                   f"secrets found inconsistent a round {seen}, the liar not nameable; the "
+                   "sum never needed them)")
     if honest_blamed:
         detail += f"; honest blamed: {honest_blamed}"
     return ok, detail + _attacker_errors(a)

@@ -549,6 +549,7 @@ def test_a_holder_whose_wrong_shares_the_sum_did_not_need_is_blamed_all_the_same
         assert "the sum did not need them" in server.blamed[liar]
     else:
         assert server.blamed == {}
+        assert server.stats()["unattributed"] == 10  # every secret: c29 holds a share of each
 
 
 def test_a_malformed_masked_input_fails_the_round_saying_so_and_blames_no_one():

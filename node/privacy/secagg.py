@@ -944,6 +944,9 @@ class ServerSession:
         self._reveals: dict[int, tuple[dict[int, bytes], dict[int, bytes]]] = {}
         self._result: np.ndarray | None = None
         self.blamed: dict[int, str] = {}  # holders whose revealed shares were wrong
+        # secrets whose spare shares disagree while no single holder can be named (one
+        # spare share: any of its holders could be the odd one)
+        self.unattributed = 0
 
     # ---- phase 1: keys
 
@@ -1214,7 +1217,8 @@ class ServerSession:
                 "reveals": len(self._reveals), "t": self._t or None, "neighbours": k,
                 "ring_bits": self.ring.ring_bits, "frac_bits": self.ring.frac_bits,
                 "quant_bound": quantisation_bound(self.ring, len(self._inputs)),
-                "excluded": len(self._excluded), "blamed": dict(self.blamed)}
+                "excluded": len(self._excluded), "blamed": dict(self.blamed),
+                "unattributed": self.unattributed}
 
     # ---- internals
 
@@ -1355,7 +1359,9 @@ class ServerSession:
         a wrong share beyond them changed nothing, but its holder lied all the same: every
         spare share is checked (one product per set of share indices), and the one holder
         whose removal leaves every secret consistent is blamed. Several candidates (one
-        spare share of one secret: any of its holders could be the odd one) blame no one."""
+        spare share of one secret: any of its holders could be the odd one) blame no one;
+        the inconsistent secrets are counted (`unattributed`, the record's
+        secagg.inconsistent)."""
         bad = self._inconsistent(self._secrets())
         if not bad:
             return
@@ -1364,7 +1370,9 @@ class ServerSession:
         for _, w in bad:
             suspects &= set(_holders(w, graph[w]))
         liars = [h for h in sorted(suspects) if not self._inconsistent(self._secrets({h}))]
-        if len(liars) == 1:
+        if len(liars) != 1:
+            self.unattributed = len(bad)
+        else:
             self.blamed[liars[0]] = (
                 f"revealed shares inconsistent with the other holders' of {len(bad)} "
                 "secret(s) (spare shares: the sum did not need them)")

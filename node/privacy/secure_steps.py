@@ -364,4 +364,6 @@ class SecureRound:
                 **({"excluded": stats["excluded"]} if stats.get("excluded") else {}),
                 **({"blamed": {f"c{c}": why for c, why in stats["blamed"].items()}}
                    if stats.get("blamed") else {}),
+                **({"inconsistent": stats["unattributed"]}
+                   if stats.get("unattributed") else {}),
                 **self.result}
