@@ -188,20 +188,16 @@ def write_keys(run_dir: Path, groups: list[list[int]], per_node: int = 0, *,
     keys = run_dir / "keys"
     write_keypair(keys, "broker", "broker", force=True)
     write_keypair(keys, "server", "server", force=True)
-    folder_of: dict[int, Path] = {}
-    if not per_node:
-        for k, ids in enumerate(groups):
-            write_keypair(keys, f"node-{k}", "client", force=True, clients=allowed(ids))
-            folder_of[k] = keys
-    for i in range(0, len(groups) if per_node else 0, per_node or 1):
+    folder_of = {k: keys for k in range(len(groups))}  # where node-K's keys live
+    for i in range(0, len(groups), per_node) if per_node else ():
         site, members = run_dir / "site-keys" / f"relay-{i // per_node}", groups[i:i + per_node]
         write_keypair(keys, f"relay-{i // per_node}", "client", force=True,
                       clients=allowed([c for g in members for c in g]))
         write_keypair(site, "broker", "broker", force=True)
         write_keypair(site, "server", "server", force=True)
-        for k, ids in enumerate(members, start=i):
-            write_keypair(site, f"node-{k}", "client", force=True, clients=allowed(ids))
-            folder_of[k] = site
+        folder_of.update((k, site) for k in range(i, i + len(members)))
+    for k, ids in enumerate(groups):
+        write_keypair(folder_of[k], f"node-{k}", "client", force=True, clients=allowed(ids))
     if signing:
         from fedbus.node.privacy.identity import write_signing_key
 

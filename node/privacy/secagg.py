@@ -1354,6 +1354,15 @@ class ServerSession:
                        if bits < 64 else np.uint64(0) - v)
         return bool(np.all(mag <= np.uint64(top)))
 
+    def _suspects(self, bad: set[tuple[str, int]]) -> list[int]:
+        """The revealing holders that hold a share of every inconsistent secret (a liar
+        does), sorted."""
+        graph = self._need_graph()
+        suspects = set(self._reveals)
+        for _, w in bad:
+            suspects &= set(_holders(w, graph[w]))
+        return sorted(suspects)
+
     def _blame_unused(self) -> None:
         """The sum is in bounds, so the t shares each secret was rebuilt from agree with it;
         a wrong share beyond them changed nothing, but its holder lied all the same: every
@@ -1365,11 +1374,8 @@ class ServerSession:
         bad = self._inconsistent(self._secrets())
         if not bad:
             return
-        graph = self._need_graph()
-        suspects = set(self._reveals)
-        for _, w in bad:
-            suspects &= set(_holders(w, graph[w]))
-        liars = [h for h in sorted(suspects) if not self._inconsistent(self._secrets({h}))]
+        liars = [h for h in self._suspects(bad)
+                 if not self._inconsistent(self._secrets({h}))]
         if len(liars) != 1:
             self.unattributed = len(bad)
         else:
@@ -1384,12 +1390,8 @@ class ServerSession:
             raise SpoiledSum("the unmasked sum is out of bounds and every revealed share is "
                               "consistent: a masked input is malformed (its sender cannot be "
                               "told from the sum)")
-        # a liar holds a share of every inconsistent secret
-        graph = self._need_graph()
-        suspects = set(self._reveals)
-        for _, w in bad:
-            suspects &= set(_holders(w, graph[w]))
-        for h in sorted(suspects):
+        suspects = self._suspects(bad)
+        for h in suspects:
             without = {h}
             rest = self._secrets(without)
             if any(len(sh) < self._t for sh in rest.values()) or self._inconsistent(rest):
