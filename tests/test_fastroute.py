@@ -10,6 +10,7 @@ import msgpack
 import pytest
 import zmq
 from conftest import require_fast_path
+from helpers import wait_until
 
 from fedbus.broker import wire
 from fedbus.broker.broker import Broker
@@ -51,13 +52,6 @@ def recv_through(sock, last: bytes, timeout: float = 120.0) -> list[list[bytes]]
 def recv_one(sock, timeout: float = 120.0) -> list[bytes]:
     assert sock.poll(int(timeout * 1000)), "nothing came"
     return sock.recv_multipart()
-
-
-def wait_for(predicate, what: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 def register(sock, name: str, role: str, clients: list[str]) -> None:
@@ -135,7 +129,8 @@ def stream(fast: bool) -> dict:
             send([header("update", "c1", "server", seq=100 + i), bytes(20 * 1024)])
         # (the broker holds once the server's pipe and buffers are full: an event, not a
         # pause a slow machine might not fill)
-        wait_for(lambda: holds, "the broker to hold a message for the server")
+        wait_until(lambda: holds, 120, "the broker to hold a message for the server",
+                   interval=0.01)
         last_up = header("update", "c1", "server", seq=100 + N_FLOOD)
         send([last_up, body({"i": "end"})])
         at_server = recv_through(server, last_up)
