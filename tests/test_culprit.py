@@ -122,37 +122,24 @@ def _rounds_with_a_spoiler(rounds: int, spoiler: int, clients: int = 8):
 
     sys.path.insert(0, str(Path(__file__).parent))
     from test_engine import eval_results
-    from test_secure_aggregation import Clients, _config, _engine, _update
+    from test_secure_aggregation import _config, _engine, secure_round
+
+    def spoil(client, masked):
+        if client != spoiler:
+            return masked
+        m = masked["payload"]["masked"]
+        noise = np.random.default_rng(len(cohorts)).integers(0, 256, m.shape, np.uint8)
+        return {**masked, "payload": {**masked["payload"], "masked": noise}}
 
     cfg = _config("fedproto", True, clients=clients, rounds=rounds)
     engine, tasks = _engine(cfg)
     cohorts, now = [], 1.0
     while tasks:
         cohorts.append(sorted(int(t.dst[1:]) for t in tasks))
-        cl = Clients(engine, cfg)
-        outs = []
-        for t in tasks:
-            outs += cl.send("secagg", t.dst, cl.secure.begin(t.dst, t.body), t.round, now)
-        by_dst = {t.dst: t for t in tasks}
-        masking = []
-        for o in [o for o in outs if o.kind == "secagg" and o.body["step"] == "peers"]:
-            masking += cl.send("secagg", o.dst, cl.secure.on_peers(o.dst, o.body), o.round, now)
-        unmasks = []
-        for o in [o for o in masking if o.kind == "secagg" and o.body["step"] == "masking"]:
-            c = int(o.dst[1:])
-            cl.secure.ready(o.dst, _update(engine, by_dst[o.dst], c))
-            masked = cl.secure.on_masking(o.dst, o.body)
-            if c == spoiler:
-                m = masked["payload"]["masked"]
-                noise = np.random.default_rng(len(cohorts)).integers(0, 256, m.shape, np.uint8)
-                masked = {**masked, "payload": {**masked["payload"], "masked": noise}}
-            unmasks += cl.send("update", o.dst, masked, o.round, now)
-        after = []
-        for o in [o for o in unmasks if o.kind == "secagg" and o.body["step"] == "unmask"]:
-            after += cl.send("secagg", o.dst, cl.secure.on_unmask(o.dst, o.body), o.round, now)
+        outs, _ = secure_round(engine, cfg, tasks, now=now, masked_of=spoil)
         now += 1.0
-        after += eval_results(engine, [o for o in after if o.kind == "eval"], now)
-        tasks = [o for o in after if o.kind == "task"]
+        outs += eval_results(engine, [o for o in outs if o.kind == "eval"], now)
+        tasks = [o for o in outs if o.kind == "task"]
     return engine, cohorts
 
 

@@ -81,11 +81,12 @@ class Clients:
 
 
 def secure_round(engine, cfg, tasks, *, drop_shares=(), drop_input=(), now=1.0,
-                 update=None):
+                 update=None, masked_of=None):
     """One securely aggregated round, message by message. drop_shares: clients that send
     keys and shares and then vanish; drop_input: clients that send their masked input and
     vanish before unmasking; update(engine, task, client): the trained update (default
-    _update). Returns (the round's outs, the Clients)."""
+    _update); masked_of(client, masked): what the client sends instead of its masked
+    update. Returns (the round's outs, the Clients)."""
     update = update or _update
     cl = Clients(engine, cfg)
     outs = []
@@ -104,6 +105,8 @@ def secure_round(engine, cfg, tasks, *, drop_shares=(), drop_input=(), now=1.0,
         c = int(o.dst[1:])
         assert cl.secure.ready(o.dst, update(engine, by_dst[o.dst], c)) is None  # held
         masked = cl.secure.on_masking(o.dst, o.body)
+        if masked_of is not None:
+            masked = masked_of(c, masked)
         if c not in drop_shares:
             unmasks += cl.send("update", o.dst, masked, o.round, now)
         else:
