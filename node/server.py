@@ -724,6 +724,15 @@ class ServerNode:
                 log.info("round", round=rec["round"], updates=rec["updates"],
                          failed=rec["failed"], acc=rec.get("acc_mean"),
                          proto_acc=rec.get("proto_acc_mean"))
+            if self._pending and not engine.async_mode:
+                # written before the record it explains: a kill right after the record
+                # finds why the checkpoint on disk is more than one round behind it
+                nodes = engine.nodes
+                log.info("checkpoint waits for flushes", version=engine.records[-1]["version"],
+                         checkpoint=self._on_disk, held=[v for v, _, _ in self._pending],
+                         waiting_for=sorted({n for _, _, waits in self._pending
+                                             for n, mark in waits.items() if n in nodes
+                                             and self._covered.get(n, 0) < mark})[:10])
             self.run.append_metrics(engine.records)
             engine.records.clear()
         # A sync round ends with its evaluation, so its checkpoint waits for the record:

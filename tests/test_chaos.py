@@ -123,6 +123,22 @@ def test_window_fails_metrics_behind_or_too_far_ahead_of_the_checkpoint():
         assert len(v) == 1 and v[0].invariant == "window" and "fault 3" in v[0].detail
 
 
+def test_window_allows_a_checkpoint_the_server_said_it_held_for_flushes_and_no_other():
+    """A node that has not answered a flush holds the checkpoint back (PROTOCOL.md §4.2):
+    two rounds behind passes when the server's log, before record 6, named checkpoint 4 as
+    on disk (or 5 as held); not when it named other versions or said nothing for record 6."""
+    said = {6: [4, 5], 5: [3, 4]}
+    for c in (4, 5):
+        kill = {"fault": 2, "metrics_version": 6, "checkpoint_version": c, "held": said}
+        assert check_window([kill], _records(range(1, 11)), 10) == []
+    for held in ({}, {5: [3, 4]}, {6: [2, 3]}):
+        kill = {"fault": 2, "metrics_version": 6, "checkpoint_version": 4, "held": held}
+        v = check_window([kill], _records(range(1, 11)), 10)
+        assert len(v) == 1 and "held for flushes" in v[0].detail, (held, v)
+    kill = {"fault": 2, "metrics_version": 3, "checkpoint_version": 4, "held": {3: [4]}}
+    assert check_window([kill], _records(range(1, 11)), 10), "records behind the checkpoint"
+
+
 def test_window_fails_a_repeated_or_skipped_round():
     v = check_window([], _records([1, 2, 3, 3, 4, 6]), 6)
     assert len(v) == 1
