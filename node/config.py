@@ -201,7 +201,11 @@ SCHEMA: dict[str, dict[str, Opt]] = {
                         "client-level noise), or seeded (from the run's seed, which the "
                         "server and every node know: reproducible, but whoever knows the "
                         "seed can recompute and remove the noise, so the guarantee does "
-                        "not hold against them: for simulations)", ("secret", "seeded")),
+                        "not hold against them: for simulations), or distributed (dp = "
+                        "client under secure_aggregation: each client adds its share of "
+                        "Skellam noise in the masking ring, the server none, so it never "
+                        "sees a noiseless sum; fedbus.node.privacy.ddp)",
+                        ("secret", "seeded", "distributed")),
     },
     "security": {
         "max_proto_norm": Opt(0.0, "the server refuses an uploaded prototype longer than this "
@@ -459,6 +463,12 @@ def _check_dp_claims(cfg: dict[str, dict[str, Any]]) -> None:
         from fedbus.node.privacy.dp import sgd_refusal  # torch, opacus: only when asked for
 
         why = sgd_refusal(str(cfg["algorithm"]["name"]), "privacy.dp_extractor = sgd")
+        if why is not None:
+            raise ConfigError(why)
+    if privacy["dp_noise"] == "distributed":
+        from fedbus.node.privacy.ddp import distributed_refusal
+
+        why = distributed_refusal(privacy)
         if why is not None:
             raise ConfigError(why)
     if privacy["dp"] == "client" and fed["sampling"] != "uniform":

@@ -216,5 +216,7 @@ def run_noise_seed(run_dir: Any, *, create: bool) -> int:
 
 
 def uses_secret_server_noise(privacy: Mapping[str, Any]) -> bool:
-    return privacy.get("dp") == "client" and privacy.get("dp_noise", "secret") == "secret"
+    # distributed: the clients draw the noise, but the cohort is still the server's secret draw
+    return privacy.get("dp") == "client" and \
+        privacy.get("dp_noise", "secret") in ("secret", "distributed")
 
