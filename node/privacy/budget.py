@@ -39,6 +39,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 
 class PrivacyLedger:
     def __init__(self, privacy: Mapping[str, Any], train: Mapping[str, Any] | None = None,
@@ -60,6 +62,14 @@ class PrivacyLedger:
         self.z_accounted = record_noise_multiplier(self.z) if self.mechanism == "record" \
             else self.z
         self.run = Accountant(self.kind, self.delta)  # client-level
+        # client level with dp_noise = "distributed" (fedbus.node.privacy.ddp): the clients
+        # add Skellam shares; each round is charged when its sum is unmasked, for the noise
+        # of the survivors it holds; its RDP composes here (at ddp.ORDERS)
+        self.distributed = self.mechanism == "client" and \
+            privacy.get("dp_noise") == "distributed"
+        self.ddp_rdp: list[float] | None = None
+        self.ddp_rounds = 0
+        self._ddp_last: dict[str, Any] = {}
         self.participations: dict[int, int] = {}  # record-level: tasks sent per client
         self._eps_by_count: dict[int, float] = {0: 0.0}
         self.spent: set[int] = set()  # clients out of budget (logged once each)
@@ -140,7 +150,20 @@ class PrivacyLedger:
     def charge_round(self, rate: float) -> None:
         """A client-level round whose cohort took each live client independently with
         probability `rate`, drawn from randomness no client knows (Engine._sample)."""
-        self.run.add(self.z, rate)
+        if not self.distributed:  # (distributed: charged when the sum is unmasked)
+            self.run.add(self.z, rate)
+
+    def charge_distributed(self, params: Any, survivors: int, rate: float) -> None:
+        """A distributed-DP round's unmasked sum: the Skellam noise of `survivors` clients
+        (variance survivors x mu / n_min), its cohort Poisson-sampled at `rate`."""
+        from fedbus.node.privacy.ddp import ORDERS, round_rdp
+
+        rdp = round_rdp(params, survivors, rate)
+        base = np.zeros(len(ORDERS)) if self.ddp_rdp is None else np.asarray(self.ddp_rdp)
+        self.ddp_rdp = [float(v) for v in base + rdp]
+        self.ddp_rounds += 1
+        self._ddp_last = {"survivors": int(survivors), "n_min": int(params.n_min),
+                          "noise_std": params.noise_std(survivors)}
 
     def note_clipped(self, clipped: int, seen: int) -> None:
         """Client level without secure aggregation: of the `seen` deltas the server summed
@@ -160,6 +183,11 @@ class PrivacyLedger:
                        default=0.0)
         if self.per_client:  # sgd, record over a DP-SGD extractor: n differs per client
             return max((self.epsilon_of(c) for c in self.participations), default=0.0)
+        if self.distributed:
+            from fedbus.node.privacy.ddp import epsilon
+
+            return 0.0 if self.ddp_rdp is None else \
+                epsilon(np.asarray(self.ddp_rdp), self.delta)
         return self.run.epsilon()
 
     def record(self) -> dict[str, Any]:
@@ -170,6 +198,11 @@ class PrivacyLedger:
             out["spent_clients"] = len(self.spent)
         if self.target > 0:
             out["target_epsilon"] = self.target
+        if self.distributed:
+            out["noise"] = "distributed"
+            out["rounds"] = self.ddp_rounds
+            out.update(self.__dict__.pop("_ddp_last", None) or {})
+            self._ddp_last = {}
         clipped = self.__dict__.pop("_clipped", None)
         if clipped is not None:
             out["clipped"], out["deltas"] = clipped
@@ -178,12 +211,18 @@ class PrivacyLedger:
     def state_dict(self) -> dict[str, Any]:
         return {"run": self.run.state_dict(),
                 "participations": [[c, n] for c, n in sorted(self.participations.items())],
-                "spent": sorted(self.spent)}
+                "spent": sorted(self.spent),
+                **({"ddp": {"rdp": self.ddp_rdp, "rounds": self.ddp_rounds}}
+                   if self.distributed else {})}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.run.load_state_dict(state["run"])
         self.participations = {int(c): int(n) for c, n in state["participations"]}
         self.spent = {int(c) for c in state["spent"]}
+        if self.distributed and "ddp" in state:
+            rdp = state["ddp"]["rdp"]
+            self.ddp_rdp = None if rdp is None else [float(v) for v in rdp]
+            self.ddp_rounds = int(state["ddp"]["rounds"])
 
 
 NOISE_SEED_FILE = "noise_seed"

@@ -292,6 +292,15 @@ def server_decode(summed: np.ndarray, params: DDPParams, context: bytes) -> np.n
     return unrotate(v / params.scale, rotation_signs(context, params.dim), params.length)
 
 
+def sum_norm_bound(params: DDPParams, survivors: int) -> float:
+    """A bound, in the sum form's units, on the L2 norm of an honest round's decoded noised
+    sum: each survivor's rounded vector has norm <= Delta2, and every value of the summed
+    noise (Sk with rate survivors x lam) is within its tail at TAIL (so the noise's norm is
+    <= sqrt(d) x that). A larger sum was spoiled by some input (or wrapped)."""
+    tail = poisson_tail(survivors * params.lam, TAIL)
+    return (survivors * params.delta2 + math.sqrt(params.dim) * tail) / params.scale
+
+
 def quantisation_bound(params: DDPParams, clients: int) -> float:
     """The L2 distance, in the sum form's units, between the sum of `clients` clients'
     decoded rounded vectors (no noise) and their exact sum: each rounding moves every

@@ -127,6 +127,7 @@ __all__ = [
     "add_packed",
     "decode",
     "encode",
+    "encode_integers",
     "low_order",
     "neighbour_count",
     "neighbour_graph",
@@ -423,6 +424,16 @@ def encode(values: np.ndarray, ring: RingParams) -> tuple[np.ndarray, int]:
     # scaling by a power of two is exact, so the only error is the rounding (<= half a unit)
     q = np.rint(np.clip(x, -ring.range, ring.range) * float(2**ring.frac_bits)).astype(np.int64)
     return _reduce(q.view(np.uint64).copy(), ring.ring_bits), clipped
+
+
+def encode_integers(values: np.ndarray, ring: RingParams) -> tuple[np.ndarray, int]:
+    """int [L] -> (uint64 [L] in Z_{2^ring_bits}, 0): two's complement mod 2^ring_bits, no
+    clipping and no scaling (ring.frac_bits is not applied: the caller scaled already)."""
+    x = np.asarray(values)
+    if x.ndim != 1 or x.dtype.kind not in "iu":
+        raise SecAggError(f"encode_integers takes a 1-D integer array, got {x.dtype} of "
+                          f"shape {x.shape}")
+    return _reduce(x.astype(np.int64).view(np.uint64).copy(), ring.ring_bits), 0
 
 
 def decode(summed: np.ndarray, ring: RingParams) -> np.ndarray:
@@ -804,11 +815,14 @@ class ClientSession:
         return peers
 
     def mask(self, values: np.ndarray,
-             share_senders: Iterable[int] | None = None) -> tuple[np.ndarray, int]:
+             share_senders: Iterable[int] | None = None, *,
+             integers: bool = False) -> tuple[np.ndarray, int]:
         """float64 [L] -> (packed uint8 [L, ring_bits // 8], clipped count); once, after
         on_peers. share_senders: the neighbours that sent shares (ServerSession.close_shares;
         checked by check_share_senders); None masks with every neighbour it accepted, which
-        the server can only undo if all of them sent shares."""
+        the server can only undo if all of them sent shares. integers: values are int64
+        ring elements already (distributed DP's noised integers, fedbus.node.privacy.ddp),
+        taken mod 2^ring_bits as they are, never clipped (encode_integers)."""
         if self._ring is None:
             raise SecAggError(f"client {self.client}: mask before on_peers")
         if self._masked_with is not None:
@@ -817,7 +831,7 @@ class ClientSession:
         peers = list(self._neighbours) if share_senders is None else \
             self.check_share_senders(share_senders)
         ring = self._ring
-        y, clipped = encode(values, ring)
+        y, clipped = encode_integers(values, ring) if integers else encode(values, ring)
         n = len(y)
         _add_signed(y, _prg(self._b_seed, _PRG_SELF_INFO + self.context, n, ring.ring_bits), 1)
         for v in peers:

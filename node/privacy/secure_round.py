@@ -196,12 +196,15 @@ class SecureClient:
     are not known: the update waits), `on_peers` and `on_unmask` on the server's steps."""
 
     def __init__(self, rule: Any, params: Mapping[str, Any], *, unit_weight: bool = False,
-                 identity: Any = None):
+                 identity: Any = None, privacy: Mapping[str, Any] | None = None):
         # unit_weight: client-level DP sums clipped deltas with weight 1 each
         # identity: fedbus.node.privacy.identity.Identity (signed keys and the consistency
         # check against a lying server), or None (honest-but-curious server only)
+        # privacy: the node's [privacy] section: under dp_noise = "distributed" a task's
+        # noise parameters are checked against it (fedbus.node.privacy.ddp.DDPParams.check)
         self.rule, self.params, self.unit_weight = rule, params, unit_weight
         self.identity = identity
+        self.privacy = privacy
         self.sessions: dict[str, dict[str, Any]] = {}
 
     def begin(self, address: str, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -211,7 +214,18 @@ class SecureClient:
         session = secagg.ClientSession(int(address[1:]), str(field["context"]).encode(),
                                        identity=self.identity)
         clip = field.get("clip", 0.0)
-        self.sessions[address] = {"session": session, "task": body["task"],
+        ddp = None
+        if "ddp" in field:  # distributed DP: this client adds its share of the noise
+            from fedbus.node.privacy.ddp import DDPParams
+
+            ddp = DDPParams.from_dict(field["ddp"])
+            if self.privacy is not None:
+                ddp.check(self.privacy)
+        elif self.privacy is not None and self.privacy.get("dp_noise") == "distributed":
+            raise ValueError("privacy.dp_noise = distributed: the server's task asks for no "
+                             "noise from this client; refused")
+        self.sessions[address] = {"session": session, "task": body["task"], "ddp": ddp,
+                                  "context": str(field["context"]).encode(),
                                   "client": int(address[1:]),
                                   "length": int(field["length"]), "sharers": None,
                                   "update": None,
@@ -290,12 +304,23 @@ class SecureClient:
         form = self.rule.lift(payload,
                               1 if self.unit_weight else int(update["num_samples"]),
                               Work.from_dict(update["work"]), self.params, state["client"])
+        ddp = state["ddp"]
+        length = ddp.length if ddp is not None else state["length"]
+        if ddp is not None and form is not None and "mass" in form:
+            # the mass (weight 1 each) is the survivors' count, which the server knows: it
+            # is left out of the noised vector, whose norm is then the clipped delta's
+            form = {**form, "mass": np.zeros_like(np.asarray(form["mass"], np.float64))}
         # a rule that keeps an update apart (FedAvg's dropped partial work) adds nothing
-        vector = flatten(form) if form is not None else np.zeros(state["length"])
-        if len(vector) != state["length"]:
-            raise ValueError(f"the sum form has {len(vector)} values, the round "
-                             f"{state['length']}")
-        packed, clipped = state["session"].mask(vector, state["sharers"])
+        vector = flatten(form) if form is not None else np.zeros(length)
+        if len(vector) != length:
+            raise ValueError(f"the sum form has {len(vector)} values, the round {length}")
+        if ddp is not None:  # clip, rotate, round, add the noise share: then mask
+            from fedbus.node.privacy.ddp import client_encode
+
+            noised = client_encode(vector, ddp, state["context"])
+            packed, clipped = state["session"].mask(noised, state["sharers"], integers=True)
+        else:
+            packed, clipped = state["session"].mask(vector, state["sharers"])
         if clipped:  # logged here, never sent: how many of a client's values hit the ring's
             # range says something of its input that the masked sum is meant to hide
             log.warning("secure aggregation: values clipped to privacy.secagg_range",

@@ -74,6 +74,16 @@ class SecureRound:
                                                  len(sampled))
         self.spec = spec
         self.length = spec_length(spec)
+        # distributed DP (privacy.dp_noise = "distributed", fedbus.node.privacy.ddp): the
+        # clients mask rotated, scaled, noised integers of a power-of-two length in a ring
+        # sized for them; the unmasked sum is decoded back to the sum form here
+        self.ddp = None
+        if privacy.get("dp") == "client" and privacy.get("dp_noise") == "distributed":
+            from fedbus.node.privacy.ddp import DDPParams
+
+            self.ddp = DDPParams.for_round(privacy, self.length, len(sampled))
+            self.ring = self.ddp.ring()
+            self.length = self.ddp.dim
         self.timeout = float(privacy["secagg_timeout_s"])
         self.session = secagg.ServerSession(
             sampled, self.context.encode(),
@@ -105,6 +115,8 @@ class SecureRound:
         field = {"context": self.context, "ring": self.ring.to_dict(), "length": self.length}
         if self.clip > 0:
             field["clip"] = self.clip
+        if self.ddp is not None:
+            field["ddp"] = self.ddp.to_dict()
         return field
 
     def closing(self) -> bool:
@@ -341,7 +353,21 @@ class SecureRound:
         from fedbus.node.privacy.secure_round import unflatten
 
         try:
-            return Step(unmasked=unflatten(self.session.unmask(), self.spec))
+            summed = self.session.unmask()
+            if self.ddp is not None:  # noised integers -> the noised sum form
+                from fedbus.node.privacy.ddp import server_decode, sum_norm_bound
+
+                summed = server_decode(summed, self.ddp, self.context.encode())
+                bound = sum_norm_bound(self.ddp, len(self.inputs))
+                if float(np.linalg.norm(summed)) > bound:  # (the engine's norm check is off)
+                    self.spoiled = True
+                    return self._fail(now, f"the unmasked noised sum is longer than the "
+                                      f"{bound:.6g} its survivors' inputs and noise allow")
+                form = unflatten(summed, self.spec)
+                if "mass" in form:  # the clients left it out: weight 1 each survivor
+                    form["mass"] = np.full(np.shape(form["mass"]), float(len(self.inputs)))
+                return Step(unmasked=form)
+            return Step(unmasked=unflatten(summed, self.spec))
         except (SecAggError, ValueError) as err:
             self.spoiled = isinstance(err, SpoiledSum)
             return self._fail(now, str(err))
@@ -352,6 +378,17 @@ class SecureRound:
         """The survivor-set signatures the client's unmask request carries (none unsigned)."""
         return self.session.signatures_for(client) if self.session.signed() else {}
 
+    def ddp_record(self) -> dict[str, Any]:
+        """Distributed DP's part of the record: the mechanism's parameters and the noise
+        the survivors' sum carries (std per value, in the sum form's units)."""
+        from fedbus.node.privacy.ddp import quantisation_bound
+
+        p, s = self.ddp, len(self.survivors)
+        return {"length": p.length, "cohort": p.cohort, "n_min": p.n_min, "dim": p.dim, "scale": p.scale, "delta2": p.delta2,
+                "noise_std": p.noise_std(s) if s else 0.0,
+                "target_std": p.noise_std(p.n_min),
+                "quant_bound": quantisation_bound(p, s)}
+
     def record(self) -> dict[str, Any]:
         """The round record's "secagg" entry."""
         stats = self.session.stats()
@@ -360,6 +397,7 @@ class SecureRound:
                 "neighbours": stats.get("neighbours"), "ring_bits": self.ring.ring_bits,
                 "frac_bits": self.ring.frac_bits,
                 "quant_bound": float(stats.get("quant_bound", 0.0)),
+                **({"ddp": self.ddp_record()} if self.ddp is not None else {}),
                 "bytes_up": self.bytes_up, "bytes_down": self.bytes_down,
                 **({"excluded": stats["excluded"]} if stats.get("excluded") else {}),
                 **({"blamed": {f"c{c}": why for c, why in stats["blamed"].items()}}
