@@ -310,3 +310,57 @@ def test_a_round_charges_what_its_survivors_carry_and_composes():
     again = PrivacyLedger(cfg.privacy, cfg.train)
     again.load_state_dict(engine.ledger.state_dict())
     assert again.epsilon() == pytest.approx(engine.ledger.epsilon())
+
+
+# --- a real federation: broker, server and nodes on loopback, digits ---
+
+def test_a_federation_with_distributed_noise_reports_the_survivors_epsilon(tmp_path):
+    """fedbus run with dp_noise = distributed: each round's sum is unmasked with the clients'
+    noise in it (the record says how much), the run's epsilon is the accountant's
+    composition over the rounds' survivors, and everything the server received (its
+    message log) holds masked ring elements where the updates are: no float vector a
+    delta or a sum of deltas could be read from."""
+    from fedbus.broker.wire import decode as wire_decode
+    from fedbus.record.msglog import read_log
+    from tests.helpers import SMALL, merged, metrics, run_federation
+
+    sections = merged(SMALL, federation={"clients": 6, "rounds": 2, "fraction": 1.0},
+                      privacy={"secure_aggregation": True, "secagg_timeout_s": 60.0,
+                               "dp": "client", "dp_noise": "distributed", "dp_clip": 1.0,
+                               "dp_noise_multiplier": 1.0})
+    run, summary = run_federation(tmp_path, sections)
+    assert summary["rounds_completed"] == 2
+    recs = metrics(run)
+    assert len(recs) == 2
+    rdp = np.zeros(len(ddp.ORDERS))
+    for r in recs:
+        s = r["secagg"]
+        assert s.get("failed") is None, s
+        m = s["ddp"]
+        p = DDPParams(1.0, 1.0, m["length"], m["n_min"], m["cohort"])
+        assert s["ring_bits"] == p.ring().ring_bits and s["frac_bits"] == 0
+        assert m["noise_std"] == pytest.approx(p.noise_std(s["survivors"]))
+        assert m["noise_std"] >= 1.0  # at least the central mechanism's z C
+        rdp += ddp.round_rdp(p, s["survivors"], 1.0)
+        assert r["dp"]["noise"] == "distributed"
+        assert r["dp"]["epsilon"] == pytest.approx(ddp.epsilon(rdp, 1e-5), abs=1e-6)
+    length = recs[0]["secagg"]["ddp"]["length"]
+    updates = 0
+    for rec in read_log(run):
+        if rec.direction != "in" or len(rec.frames) < 2:
+            continue
+        msg = wire_decode(rec.frames, max_frame=max(len(f) for f in rec.frames) + 1)
+        if msg.kind == "update":
+            assert set(msg.body["payload"]) == {"masked"}
+            assert msg.body["payload"]["masked"].dtype == np.uint8
+            updates += 1
+        stack = [msg.body]
+        while stack:  # no float array of a delta's size anywhere in what came in
+            v = stack.pop()
+            if isinstance(v, dict):
+                stack.extend(v.values())
+            elif isinstance(v, (list, tuple)):
+                stack.extend(v)
+            elif isinstance(v, np.ndarray):
+                assert not (v.dtype.kind == "f" and v.size >= length - 1), (msg.kind, v.shape)
+    assert updates == 12
