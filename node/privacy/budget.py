@@ -22,6 +22,11 @@ reloads it):
   probability q, from the server's secret seed (RUN/noise_seed, as its noise), so no client
   can tell who took part (fedbus.node.engine.Engine._sample). `target_epsilon`: the run
   stops before a round that would pass it.
+* client with privacy.dp_noise = "distributed" (under secure aggregation): the clients add
+  Skellam shares of the noise before masking (fedbus.node.privacy.ddp) and the server adds
+  none; a round is charged when its sum is unmasked, for the noise its survivors carried
+  (the Skellam mechanism's RDP, Poisson-amplified by Zhu and Wang's Theorem 5, composed per
+  order here and converted by dp-accounting); a round that unmasks nothing is not charged.
 * sgd (weight-sharing algorithms, DP-SGD in local training,
   fedbus.algorithms.core.dp_sgd): each task a client is sent is epochs x ceil(n /
   batch_size) DP-SGD steps, each a Gaussian mechanism of multiplier z Poisson-subsampled
