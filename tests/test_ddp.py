@@ -228,8 +228,10 @@ def _clip(delta, clip):
 
 @pytest.mark.parametrize("drop", [None, "input", "shares"])
 def test_the_server_unmasks_the_noised_sum_adds_no_noise_and_charges_the_survivors(drop):
-    from fedbus.broker.wire import decode as wire_decode, encode as wire_encode
-    from fedbus.node.privacy.secagg import decode as ring_decode, unpack
+    from fedbus.broker.wire import decode as wire_decode
+    from fedbus.broker.wire import encode as wire_encode
+    from fedbus.node.privacy.secagg import decode as ring_decode
+    from fedbus.node.privacy.secagg import unpack
     from tests.test_secure_aggregation import _engine, _global, _payload, secure_round
 
     cfg = _config()
@@ -242,7 +244,7 @@ def test_the_server_unmasks_the_noised_sum_adds_no_noise_and_charges_the_survivo
     victim = int(tasks[2].dst[1:])
     kw = {"input": {"drop_input": (victim,)}, "shares": {"drop_shares": (victim,)},
           None: {}}[drop]
-    outs, cl = secure_round(engine, cfg, tasks, **kw)
+    _, cl = secure_round(engine, cfg, tasks, **kw)
     rec = engine.records[-1] if engine.records else engine.evals[max(engine.evals)].record
     survivors = 6 if drop != "shares" else 5
     assert rec["secagg"]["survivors"] == survivors and "failed" not in rec["secagg"]

@@ -65,8 +65,9 @@ from __future__ import annotations
 import hashlib
 import math
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -202,7 +203,7 @@ class DDPParams:
         """A bound on one client's integer value: |round(y)_i| <= Delta2, plus the noise's
         tail at TAIL (a value beyond it is not clipped; the ring just stops guaranteeing
         that the sum does not wrap)."""
-        return int(math.ceil(self.delta2 + poisson_tail(self.lam, TAIL)))
+        return math.ceil(self.delta2 + poisson_tail(self.lam, TAIL))
 
     def ring(self) -> Any:
         """The ring: cohort x client_range < 2^(bits-1), so the sum of the cohort's inputs

@@ -384,7 +384,8 @@ class SecureRound:
         from fedbus.node.privacy.ddp import quantisation_bound
 
         p, s = self.ddp, len(self.survivors)
-        return {"length": p.length, "cohort": p.cohort, "n_min": p.n_min, "dim": p.dim, "scale": p.scale, "delta2": p.delta2,
+        return {"length": p.length, "cohort": p.cohort, "n_min": p.n_min, "dim": p.dim,
+                "scale": p.scale, "delta2": p.delta2,
                 "noise_std": p.noise_std(s) if s else 0.0,
                 "target_std": p.noise_std(p.n_min),
                 "quant_bound": quantisation_bound(p, s)}
