@@ -204,6 +204,35 @@ def test_a_client_refuses_a_server_asking_for_less_noise():
             bad.check(privacy)
 
 
+def test_a_client_node_refuses_tasks_that_ask_too_little_noise():
+    """The node's SecureClient checks a task's distributed-DP parameters against its own
+    [privacy] before anything else: a smaller z, or no noise asked for at all under
+    dp_noise = distributed, ends there (nothing is sent)."""
+    from fedbus.algorithms import get_algorithm
+    from fedbus.algorithms.core.params import resolved_params
+    from fedbus.node.privacy.secure_round import SecureClient
+    from tests.test_secure_aggregation import _engine
+
+    cfg = _config()
+    _, tasks = _engine(cfg)
+    server_cls = get_algorithm(cfg.algorithm.name).server
+    params = resolved_params(server_cls, dict(cfg.algorithm))
+
+    def node():
+        return SecureClient(server_cls.merge_rule(params), params, unit_weight=True,
+                            privacy=cfg.privacy)
+
+    t = tasks[0]
+    assert node().begin(t.dst, t.body)["step"] == "keys"  # the honest task
+    field = t.body["secagg"]
+    weak = {**t.body, "secagg": {**field, "ddp": {**field["ddp"], "z": 0.5}}}
+    with pytest.raises(ddp.DDPError, match="less noise"):
+        node().begin(t.dst, weak)
+    bare = {**t.body, "secagg": {k: v for k, v in field.items() if k != "ddp"}}
+    with pytest.raises(ValueError, match="no noise"):
+        node().begin(t.dst, bare)
+
+
 # --- the engine with real clients (SecureClient, real secagg), scripted messages ---
 
 def _config(**privacy):
@@ -324,7 +353,7 @@ def test_a_federation_with_distributed_noise_reports_the_survivors_epsilon(tmp_p
     delta or a sum of deltas could be read from."""
     from fedbus.broker.wire import decode as wire_decode
     from fedbus.record.msglog import read_log
-    from tests.helpers import SMALL, merged, metrics, run_federation
+    from tests.helpers import SMALL, fedbus, merged, metrics, run_federation
 
     sections = merged(SMALL, federation={"clients": 6, "rounds": 2, "fraction": 1.0},
                       privacy={"secure_aggregation": True, "secagg_timeout_s": 60.0,
@@ -366,3 +395,6 @@ def test_a_federation_with_distributed_noise_reports_the_survivors_epsilon(tmp_p
             elif isinstance(v, np.ndarray):
                 assert not (v.dtype.kind == "f" and v.size >= length - 1), (msg.kind, v.shape)
     assert updates == 12
+    # the server's side is a function of what it received: a replay redoes it exactly
+    out = fedbus("replay", str(run), timeout=240)
+    assert "replay identical" in out.stdout, out.stdout + out.stderr
