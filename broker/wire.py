@@ -86,6 +86,7 @@ KINDS = frozenset(
         "heartbeat",
         "ack",
         "task",
+        "tasks",
         "update",
         "merged",
         "eval",

@@ -28,7 +28,7 @@ from fedbus.broker.peer import Peer
 from fedbus.broker.wire import Message
 from fedbus.node.client_state import ClientStateStore, last_run
 from fedbus.node.config import Config, build_config
-from fedbus.node.engine import SERVER, client_address, client_index
+from fedbus.node.engine import SERVER, client_address, client_index, unbatch_tasks
 from fedbus.node.pool import ClientPool
 from fedbus.node.privacy.prototypes import protect
 from fedbus.node.state_writer import StateWriter
@@ -92,7 +92,8 @@ class ClientNode:
         if self.pool is None or run_id != self.run_id:  # else the server re-registered
             self._build(run_id, build_config(raw))
         self.peer.run = run_id  # updates carry the run id; the server checks it
-        self.peer.send("config", SERVER, {"node": self.name, "run": run_id},
+        # (batch: this node takes `tasks` batches, PROTOCOL.md §4.3)
+        self.peer.send("config", SERVER, {"node": self.name, "run": run_id, "batch": ["tasks"]},
                        src=client_address(self.clients[0]))
 
     def _build(self, run_id: str, cfg: Config) -> None:
@@ -165,6 +166,9 @@ class ClientNode:
                     msg = self._recv(max(0.0, min(1.0, self.send_due())))
                 if msg is None:
                     continue
+                if msg.kind == "tasks":  # a batch: its members, as if each had come alone
+                    self._unbatch(msg)
+                    continue
                 if msg.kind == "task" and self._cohort_may(msg):
                     self._safely_tasks(self._gather(msg))
                     continue
@@ -198,7 +202,7 @@ class ClientNode:
         msg = self.peer.recv(timeout=timeout)
         if msg is not None and self.msglog is not None:
             self.msglog.write("in", time.time(), msg.frames)
-        if msg is not None and self.held and msg.kind in ("task", "eval"):
+        if msg is not None and self.held and msg.kind in ("task", "tasks", "eval"):
             self._release_held(msg.round)
         return msg
 
@@ -238,6 +242,8 @@ class ClientNode:
         of each other (a round's tasks leave the server in one burst); the first other
         message ends the gathering and is handled next."""
         tasks = [first]
+        while self._pending and self._pending[0].kind == "task":  # a batch's other members
+            tasks.append(self._pending.popleft())
         while True:
             msg = self._recv(COHORT_GATHER_S)
             if msg is None:
@@ -246,6 +252,20 @@ class ClientNode:
                 self._pending.append(msg)
                 return tasks
             tasks.append(msg)
+
+    def _unbatch(self, msg: Message) -> None:
+        """A `tasks` batch (PROTOCOL.md §4.3): its members, in order, first in line, each a
+        `task` message from the server to its client, as the unbatched server would have
+        sent it; what follows is what a run of individual tasks goes through (a cohort, an
+        error for a client not hosted here)."""
+        try:
+            members = unbatch_tasks(msg.body)
+        except ValueError as err:
+            log.warning("malformed tasks batch: ignored", reason=str(err), round=msg.round)
+            return
+        self._pending.extendleft(
+            Message("task", msg.src, to, body, run=msg.run, round=msg.round, seq=msg.seq,
+                    inc=msg.inc, ts=msg.ts) for to, body in reversed(members))
 
     def _safely_tasks(self, msgs: list[Message]) -> None:
         """Tasks gathered together: trained in cohorts where they may (run_tasks), each

@@ -284,6 +284,12 @@ class Engine:
         self.live: set[int] = set()
         self.nodes: dict[str, list[int]] = {}
         self.host: dict[int, str] = {}  # client -> the node hosting it
+        # bus.batch = "auto": the nodes whose config acknowledgement said they take batched
+        # tasks (PROTOCOL.md §4.3); a round's tasks for such a node leave as one `tasks`
+        # message. Never under secure aggregation (each task opens its own secagg session).
+        self.batching = cfg.bus.get("batch", "off") == "auto" and \
+            not cfg.privacy.secure_aggregation
+        self.batch_nodes: set[str] = set()
         self.version = 0  # aggregations done
         self.next_task_id = 1
         self.next_eval_id = 1
@@ -413,7 +419,7 @@ class Engine:
         self.totals["params_down"] += params
         if out.kind == "secagg" and self.round is not None and self.round.secure is not None:
             self.round.secure.bytes_down += nbytes
-        if out.kind != "task":
+        if out.kind not in ("task", "tasks"):
             return
         window = self.round if self.round is not None else self.window
         window.bytes_down += nbytes
@@ -468,6 +474,7 @@ class Engine:
             self._fail_clients(gone, "dead")
             finished = self._finish_answered_evals(now)
         self.nodes[node] = ids
+        self.batch_nodes.discard(node)  # until its new acknowledgement says so again
         for c in gone:
             self.host.pop(c, None)
         self.host.update(dict.fromkeys(ids, node))
@@ -475,16 +482,22 @@ class Engine:
         return [Out("config", node, -1, {"run": self.run_id, "config": self.cfg.to_dict()}),
                 *finished]
 
-    def on_configured(self, node: str, run: str, now: float) -> list[Out]:
+    def on_configured(self, node: str, run: str, now: float,
+                      batch: bool = False) -> list[Out]:
         ids = self.nodes.get(node)
         if ids is None or run != self.run_id:
             return []
+        if batch and self.batching:  # it said it takes `tasks` (PROTOCOL.md §4.3)
+            self.batch_nodes.add(node)
+        else:
+            self.batch_nodes.discard(node)
         self.live.update(ids)
         self.events.append({"event": "node_ready", "node": node, "clients": len(ids)})
         return self._progress(now)
 
     def on_leave(self, node: str, clients: list[str], now: float) -> list[Out]:
         ids = self.nodes.pop(node, None)
+        self.batch_nodes.discard(node)
         if ids is None:
             ids = [client_index(a) for a in clients if a.startswith("c") and a[1:].isdigit()]
         self.live.difference_update(ids)
@@ -674,6 +687,40 @@ class Engine:
                 "classes": None if per_class is None else [int(v) for v in per_class]}
         return bound
 
+    def _batched(self, outs: list[Out]) -> list[Out]:
+        """The output stage of one call's tasks (PROTOCOL.md §4.3): the tasks for a node in
+        batch_nodes leave as one `tasks` message, at the place of its first, each payload
+        object listed once (by identity: the same arrays encode to the same bytes); a node's
+        single task stays a `task`. Every decision (who, budgets, deadlines, seeds) was made
+        per client above; this only packs them."""
+        if not self.batch_nodes:
+            return outs
+        groups: dict[str, list[int]] = {}
+        for i, o in enumerate(outs):
+            if o.kind == "task":
+                node = self.host.get(client_index(o.dst))
+                if node in self.batch_nodes:
+                    groups.setdefault(node, []).append(i)
+        first: dict[int, Out] = {}
+        skip: set[int] = set()
+        for node, idx in groups.items():
+            if len(idx) < 2:
+                continue
+            payloads: list[Any] = []
+            seen: dict[Any, int] = {}
+            members = []
+            for i in idx:
+                o = outs[i]
+                key = _identity(o.body.get("payload"))
+                if key not in seen:
+                    seen[key] = len(payloads)
+                    payloads.append(o.body.get("payload"))
+                members.append({**o.body, "to": o.dst, "payload": seen[key]})
+            first[idx[0]] = Out("tasks", node, outs[idx[0]].round,
+                                {"payloads": payloads, "members": members})
+            skip.update(idx[1:])
+        return [first.get(i, o) for i, o in enumerate(outs) if i not in skip]
+
     def _sample(self, candidates: list[int], k: int) -> list[int]:
         if self.poisson:
             if self.cohort_rng is None:
@@ -735,7 +782,7 @@ class Engine:
             out.append(Out("task", client_address(c), self.version, body))
         self.events.append({"event": "round_start", "round": self.version,
                             "sampled": len(sampled), "live": len(live)})
-        return out
+        return self._batched(out)
 
     # --- updates ---
 
@@ -1251,7 +1298,7 @@ class Engine:
             for c in self._sample(idle, slots):
                 body = self._task_body(c, self.version, now, deadline)
                 out.append(Out("task", client_address(c), self.version, body))
-        return out
+        return self._batched(out)
 
     def _async_update(self, upd: ClientUpdate, nbytes: int, params: int,
                       now: float) -> list[Out]:
@@ -1399,6 +1446,60 @@ class Engine:
         if self.version >= self.rounds and not self.evals:
             return self._finish(now)
         return []
+
+
+def _identity(value: Any) -> Any:
+    """A key equal for two payloads built from the same objects (maps and lists of the
+    same arrays and scalars): such payloads encode to the same bytes. Arrays are keyed by
+    object identity, so a payload is only ever shared where it is literally the same."""
+    if isinstance(value, dict):
+        return ("d", tuple((k, _identity(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return ("l" if isinstance(value, list) else "t", tuple(_identity(v) for v in value))
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return ("v", type(value).__name__, value)
+    return ("o", id(value))
+
+
+def out_params(out: Out) -> int:
+    """The parameters a task (or eval, secagg) message carries, per client: a batch counts
+    each member's payload, as its members' own tasks would have."""
+    if out.kind == "tasks":
+        payloads = out.body["payloads"]
+        return sum(count_params(payloads[m["payload"]]) for m in out.body["members"])
+    return count_params(out.body.get("payload"))
+
+
+def unbatch_tasks(body: Any) -> list[tuple[str, dict[str, Any]]]:
+    """A `tasks` body (PROTOCOL.md §4.3) as its members' (address, task body), in order,
+    each body as the member's own `task` would have carried it. Its maps and lists are
+    each member's own; arrays are shared, read-only. ValueError names what is malformed."""
+    if not isinstance(body, dict) or not isinstance(body.get("payloads"), list) or \
+            not isinstance(body.get("members"), list):
+        raise ValueError("a tasks body must be a map with lists payloads and members")  # noqa: TRY004
+    payloads = body["payloads"]
+    out = []
+    for i, m in enumerate(body["members"]):
+        ref = m.get("payload") if isinstance(m, dict) else None
+        if not isinstance(m, dict) or not isinstance(m.get("to"), str) or \
+                isinstance(ref, bool) or not isinstance(ref, int) or \
+                not 0 <= ref < len(payloads):
+            raise ValueError(f"members[{i}] must be a task map with 'to' (an address) and "
+                             f"'payload' (an index into payloads)")
+        task = {k: v for k, v in m.items() if k != "to"}
+        task["payload"] = _own_containers(payloads[ref])
+        out.append((m["to"], task))
+    return out
+
+
+def _own_containers(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _own_containers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_own_containers(v) for v in value]
+    if isinstance(value, np.ndarray) and value.flags.writeable:
+        return value.copy()  # (writable: each member its own, as its own frame would be)
+    return value  # read-only (a view of the received frame): the same for every member
 
 
 def _tree_add(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from fedbus.broker.wire import BROADCAST, BROKER, Message, decode_body, encode_b
 from fedbus.models import describe_group
 from fedbus.node.config import Config, ConfigError
 from fedbus.node.engine import (SERVER, Engine, Out, Refusal, client_address, client_index,
-                                count_params)
+                                out_params)
 from fedbus.node.privacy.budget import run_noise_seed, uses_secret_server_noise
 from fedbus.node.privacy.secure_round import privacy_refusal, run_graph_key
 from fedbus.node.setup import (arch_builder, check_models, distinct_archs, federated_data,
@@ -290,7 +290,9 @@ def apply(engine: Engine, msg: Message, now: float) -> list[Out]:
         return engine.on_merged(msg.src, body, msg.nbytes, now)
     if kind == "config":
         node = config_sender(engine, msg.src)
-        return [] if node is None else engine.on_configured(node, body["run"], now)
+        # a node that takes batched tasks says so (PROTOCOL.md §4.3)
+        batch = isinstance(body.get("batch"), list) and "tasks" in body["batch"]
+        return [] if node is None else engine.on_configured(node, body["run"], now, batch)
     if kind == "error" and body.get("code") == "handler_failed":
         return engine.on_task_failed(msg.src, body.get("task"), now)
     if kind == "eval_result":
@@ -575,7 +577,7 @@ class ServerNode:
         peer.start()
         log.info("server ready", run=self.run_id, algorithm=cfg.algorithm.name,
                  mode=cfg.federation.mode, clients=cfg.federation.clients,
-                 rounds=cfg.federation.rounds)
+                 rounds=cfg.federation.rounds, batch=self._batch_choice())
         engine = self.engine
         # A deadline that passed and was ticked with nothing received since: a round past
         # its deadline still short of min_updates (the broker down, say), or a start
@@ -631,6 +633,14 @@ class ServerNode:
             return 0
         return 128 + (signal.SIGTERM if why == "SIGTERM" else signal.SIGINT)
 
+    def _batch_choice(self) -> str:
+        """bus.batch as this run uses it (PROTOCOL.md §4.3), for the log."""
+        choice = self.cfg.bus.get("batch", "off")
+        if choice == "auto" and self.cfg.privacy.secure_aggregation:
+            return "off (secure aggregation: each task opens its own session, so tasks " \
+                   "stay one a client)"
+        return "auto (a round's tasks one message a node)" if choice == "auto" else "off"
+
     def _await_shutdown(self, peer: Peer, stop: StopSignals) -> None:
         """Keep the connection until the shutdown is delivered (every client node live when
         it left acknowledged it or is gone, or a broker with none refused it; the broker
@@ -684,13 +694,16 @@ class ServerNode:
             msg = peer.send(out.kind, out.dst, out.body, round=out.round)
             if out.kind != "error":  # answers to refusals: a replay makes them, unlogged
                 self._log("out", time.time(), msg.frames, _header(msg))
-            if out.kind in ("task", "eval", "secagg"):
-                self.engine.note_sent(out, msg.nbytes, count_params(out.body.get("payload")))
+            if out.kind in ("task", "tasks", "eval", "secagg"):
+                self.engine.note_sent(out, msg.nbytes, out_params(out))
             if out.kind == "task":  # the node's client states change: a flush will ask
                 node = self.engine.host.get(client_index(out.dst))
                 if node is not None:
                     self._tasks_sent += 1
                     self._last_task[node] = self._tasks_sent
+            elif out.kind == "tasks":  # (a batch: its node, once for all its members)
+                self._tasks_sent += len(out.body["members"])
+                self._last_task[out.dst] = self._tasks_sent
 
     def _emit(self, peer: Peer, outs: list[Out], version_before: int) -> None:
         """An input's outputs sent and what it changed recorded. The shutdown leaves after

@@ -1,0 +1,166 @@
+"""Batched tasks (bus.batch = "auto", PROTOCOL.md §4.3): a round's tasks for one node leave
+as one `tasks` message, the shared payload encoded once. Real federations on loopback (real
+broker, server and node processes, real training on scikit-learn's digits): batched and
+unbatched sync runs are bit-identical in their global state and every metrics record, and
+`fedbus replay` reproduces a batched run exactly."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from fedbus.broker.wire import decode_body, encode_body
+from fedbus.node.config import build_config
+from fedbus.node.engine import client_address, out_params, unbatch_tasks
+from fedbus.node.server import build_engine, read_checkpoint
+from tests.helpers import (
+    SLOW,
+    SMALL,
+    fedbus,
+    late_rounds,
+    merged,
+    metrics,
+    run_federation,
+    straggler,
+)
+
+# Six clients on two nodes (three each), all sampled every round, one torch thread: every
+# client trains exactly as it would anywhere. No deadline: rounds close on events only.
+EXACT = merged(SMALL, federation={"deadline_s": 0.0, "hard_deadline_s": 120.0},
+               launch={"threads": 1}, bus={"liveness": 10})
+
+# What may differ between a batched and an unbatched run's records: the clock, and the
+# bytes sent down (the point of batching: the payload once a node)
+VOLATILE = {"time", "wall_s", "round_s", "eval_s", "bytes_down"}
+
+
+def _arrays(state, path=""):
+    if isinstance(state, dict):
+        out = {}
+        for k, v in state.items():
+            out.update(_arrays(v, f"{path}/{k}"))
+        return out
+    if isinstance(state, (list, tuple)):
+        out = {}
+        for i, v in enumerate(state):
+            out.update(_arrays(v, f"{path}[{i}]"))
+        return out
+    return {path: state}
+
+
+def _logged(run, direction="out"):
+    return [json.loads(line) for line in (run / "messages.jsonl").read_text().splitlines()
+            if json.loads(line)["dir"] == direction]
+
+
+def _pair(tmp_path, sections, name):
+    """The same federation run unbatched and batched: their run directories."""
+    runs = {}
+    for batch in ("off", "auto"):
+        runs[batch], summary = run_federation(tmp_path, merged(sections, bus={"batch": batch}),
+                                              name=f"{name}-{batch}", timeout=300)
+        assert summary["rounds_completed"] == sections["federation"]["rounds"]
+    return runs
+
+
+def assert_bit_identical(runs):
+    off, auto = (read_checkpoint(runs[b] / "checkpoint.fbk")[1]["handler"]
+                 for b in ("off", "auto"))
+    a, b = _arrays(off), _arrays(auto)
+    assert sorted(a) == sorted(b) and a
+    for key in a:
+        if isinstance(a[key], np.ndarray):
+            assert a[key].dtype == b[key].dtype and np.array_equal(a[key], b[key],
+                                                                   equal_nan=True), key
+        else:
+            assert a[key] == b[key], key
+    recs = {k: metrics(runs[k]) for k in runs}
+    assert len(recs["off"]) == len(recs["auto"]) == 3
+    for r_off, r_auto in zip(recs["off"], recs["auto"]):
+        assert {k: v for k, v in r_off.items() if k not in VOLATILE} == \
+            {k: v for k, v in r_auto.items() if k not in VOLATILE}
+        assert r_auto["bytes_down"] < r_off["bytes_down"]
+    # the batched run sent each node one message a round, the unbatched one a task a client
+    kinds = {k: [e["kind"] for e in _logged(runs[k])] for k in runs}
+    assert kinds["off"].count("task") == 18 and "tasks" not in kinds["off"]
+    assert kinds["auto"].count("tasks") == 6 and "task" not in kinds["auto"]
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedproto", "fedtgp", "fedgh"])
+def test_sync_runs_batched_and_unbatched_are_bit_identical(tmp_path, algorithm):
+    runs = _pair(tmp_path, merged(EXACT, algorithm={"name": algorithm}), algorithm)
+    assert_bit_identical(runs)
+    if algorithm == "fedproto":
+        # the batched run replays byte for byte (its batches remade by the engine), and a
+        # client's update is retrained from its member of a batch
+        out = fedbus("replay", str(runs["auto"])).stdout
+        assert "replay identical" in out, out
+        out = fedbus("replay", str(runs["auto"]), "--client", "4", "--round", "2").stdout
+        assert "update identical" in out, out
+
+
+def test_a_straggler_folded_late_is_accounted_alike_batched_and_not(tmp_path):
+    """Client SLOW's node holds its update until the next round's first message (a batch,
+    when batched) arrives, and each round closes at the quorum: late by events, folded a
+    round later. The accounting (late, stale, folded weights) is the same either way."""
+    runs = _pair(tmp_path, straggler(merged(EXACT, algorithm={"name": "fedproto"})),
+                 "straggler")
+    recs = {k: metrics(runs[k]) for k in runs}
+    assert late_rounds(recs["auto"]) == late_rounds(recs["off"]) != []
+    assert any(e[0] == SLOW for r in recs["auto"] for e in r["stale"])
+    assert_bit_identical(runs)
+
+
+# --- the engine's output stage, without processes ---
+
+def _engine(batch="auto", secure=False, acks=("n0", "n1")):
+    raw = {"federation": {"clients": 6, "rounds": 3},
+           "data": {"dataset": "digits", "partition": "iid"},
+           "model": {"arch": "mlp"}, "algorithm": {"name": "fedproto"},
+           "bus": {"batch": batch}}
+    if secure:
+        raw["privacy"] = {"secure_aggregation": True}
+    engine = build_engine(build_config(raw), "r")
+    engine.on_join("n0", [client_address(c) for c in range(4)], 0.0)
+    engine.on_join("n1", [client_address(c) for c in range(4, 6)], 0.0)
+    engine.on_configured("n0", "r", 0.0, "n0" in acks)
+    return engine, engine.on_configured("n1", "r", 0.0, "n1" in acks)
+
+
+def test_a_round_is_one_tasks_message_a_node_that_said_it_takes_them():
+    _, plain = _engine(batch="off")
+    _, outs = _engine()
+    assert [(o.kind, o.dst) for o in outs] == [("tasks", "n0"), ("tasks", "n1")]
+    # the payload once a batch; each member unpacks to the unbatched run's task, byte for byte
+    assert [len(o.body["payloads"]) for o in outs] == [1, 1]
+    members = [m for o in outs for m in unbatch_tasks(decode_body(encode_body(o.body)))]
+    assert [(to, encode_body(body)) for to, body in members] == \
+        [(o.dst, encode_body(o.body)) for o in plain]
+    assert sum(out_params(o) for o in outs) == sum(out_params(o) for o in plain)
+
+
+def test_nodes_that_did_not_say_so_and_secure_runs_get_one_task_a_client():
+    _, outs = _engine(acks=("n1",))  # n0 (say, a relay) did not say it takes batches
+    assert [(o.kind, o.dst) for o in outs] == \
+        [("task", f"c{c}") for c in range(4)] + [("tasks", "n1")]
+    engine, outs = _engine(secure=True)
+    assert not engine.batching
+    assert [(o.kind, o.dst) for o in outs] == [("task", f"c{c}") for c in range(6)]
+
+
+def test_a_node_that_registers_again_is_unbatched_until_it_acknowledges_again():
+    engine, _ = _engine()
+    engine.on_join("n0", [client_address(c) for c in range(4)], 1.0)
+    assert engine.batch_nodes == {"n1"}
+
+
+@pytest.mark.parametrize("body, why", [
+    ([], "a map"),
+    ({"payloads": [{}], "members": [{"task": 1, "payload": 0}]}, "members[0]"),
+    ({"payloads": [{}], "members": [{"to": "c1", "task": 1, "payload": 1}]}, "members[0]"),
+    ({"payloads": [{}], "members": [{"to": "c1", "task": 1, "payload": True}]}, "members[0]"),
+])
+def test_a_malformed_batch_is_refused_with_its_reason(body, why):
+    with pytest.raises(ValueError, match=why.replace("[", r"\[").replace("]", r"\]")):
+        unbatch_tasks(body)
