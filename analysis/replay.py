@@ -343,6 +343,12 @@ def replay_client(run_dir: str | Path, client: int, round_: int) -> ClientReplay
             m = _decode(rec, max_frame)
             if m.kind == "update" and m.src == address and isinstance(m.body, dict):
                 updates[m.body.get("task")] = m
+            elif m.kind == "updates" and isinstance(m.body, dict):  # a batch (§4.3)
+                for member in m.body.get("members") or ():
+                    if isinstance(member, dict) and member.get("from") == address:
+                        body = {k: v for k, v in member.items() if k != "from"}
+                        updates[body.get("task")] = Message("update", address, m.dst, body,
+                                                            run=m.run, round=m.round)
         elif rec.direction == "refused":
             body = decode_body(rec.frames[1], max_frame=max(len(rec.frames[1]), 1))
             if isinstance(body, dict) and body.get("src") == address and \

@@ -88,6 +88,7 @@ KINDS = frozenset(
         "task",
         "tasks",
         "update",
+        "updates",
         "merged",
         "eval",
         "eval_result",

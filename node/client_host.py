@@ -83,6 +83,11 @@ class ClientNode:
         # gathered tasks already answered (a failed cohort retries only the others); the
         # reasons for training one by one already logged
         self._pending: collections.deque = collections.deque()
+        # PROTOCOL.md §4.3: (client address, task id) of the tasks that came in a `tasks`
+        # batch, answered in an `updates` batch; the answers trained, not yet sent (round,
+        # member), sent together as soon as the node has nothing more in hand
+        self._batch_of: set[tuple[str, int]] = set()
+        self._outbox: list[tuple[int, dict[str, Any]]] = []
         self._answered: set[str] = set()
         # the pool whose clients' cohort_reason is known, and those reasons (fixed for a run)
         self._cohort_known: tuple[ClientPool | None, dict[int, str | None]] = (None, {})
@@ -163,6 +168,7 @@ class ClientNode:
                 if self._pending:
                     msg = self._pending.popleft()  # logged when it was received
                 else:
+                    self._flush_updates()  # nothing more in hand: what trained leaves now
                     msg = self._recv(max(0.0, min(1.0, self.send_due())))
                 if msg is None:
                     continue
@@ -266,6 +272,31 @@ class ClientNode:
         self._pending.extendleft(
             Message("task", msg.src, to, body, run=msg.run, round=msg.round, seq=msg.seq,
                     inc=msg.inc, ts=msg.ts) for to, body in reversed(members))
+        self._batch_of.update((to, body.get("task")) for to, body in members)
+
+    def _flush_updates(self) -> None:
+        """The updates trained since the last flush, as `updates` batches (PROTOCOL.md §4.3):
+        one a round, in the order they were trained, each within half the frame limit."""
+        if not self._outbox:
+            return
+        outbox, self._outbox = self._outbox, []
+        limit = (int(self.cfg.bus.max_frame_mb) << 20) // 2 if self.cfg is not None else 1 << 25
+        chunk: list[dict[str, Any]] = []
+        size, round_ = 0, outbox[0][0]
+        for rnd, member in outbox:
+            weight = _array_bytes(member) + 512
+            if chunk and (rnd != round_ or size + weight > limit):
+                self._send_batch(round_, chunk)
+                chunk, size = [], 0
+            chunk.append(member)
+            size, round_ = size + weight, rnd
+        self._send_batch(round_, chunk)
+
+    def _send_batch(self, round_: int, members: list[dict[str, Any]]) -> None:
+        out = self.peer.send("updates", SERVER, {"members": members}, src=self.name,
+                             round=round_)
+        if self.msglog is not None:
+            self.msglog.write("out", time.time(), out.frames)
 
     def _safely_tasks(self, msgs: list[Message]) -> None:
         """Tasks gathered together: trained in cohorts where they may (run_tasks), each
@@ -421,9 +452,9 @@ class ClientNode:
             update = copy.deepcopy(update)
             heapq.heappush(self.deferred, (due, next(self._order), msg, update))
         else:
-            self._send_update(msg, update)
+            self._send_update(msg, update, batch=True)
 
-    def _send_update(self, msg: Message, update: dict[str, Any]) -> None:
+    def _send_update(self, msg: Message, update: dict[str, Any], batch: bool = False) -> None:
         """Send a trained update: masked first under secure aggregation (held until the
         round's peers are known), or not at all for a client simulating a drop after its
         shares (system.drop_stage)."""
@@ -436,6 +467,13 @@ class ClientNode:
             update = self.secure.ready(msg.dst, update)
             if update is None:
                 return  # masked and sent when the peers come
+        key = (msg.dst, update.get("task"))
+        if key in self._batch_of:
+            self._batch_of.discard(key)
+            if batch:  # (held and slow-device answers leave alone, when they are due)
+                # copied now: the client's arrays may change before the batch leaves
+                self._outbox.append((msg.round, {"from": msg.dst, **copy.deepcopy(update)}))
+                return
         self._send("update", msg, update)
 
     def on_secagg(self, msg: Message) -> None:
@@ -504,6 +542,15 @@ class ClientNode:
             if masks is not None:
                 result["masks"] = masks
         self._send("eval_result", msg, result)
+
+
+def _array_bytes(value: Any) -> int:
+    """The bytes of the arrays in a body (what dominates its encoded size)."""
+    if isinstance(value, dict):
+        return sum(_array_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_array_bytes(v) for v in value)
+    return int(value.nbytes) if isinstance(value, np.ndarray) else 0
 
 
 def held_flushes(node: str) -> int | None:

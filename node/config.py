@@ -224,7 +224,8 @@ SCHEMA: dict[str, dict[str, Opt]] = {
         "curve": Opt(False, "encrypt and authenticate with CurveZMQ"),
         "keys_dir": Opt("", "CurveZMQ keys folder (see `fedbus keygen`)"),
         "batch": Opt("off", "auto: a round's tasks for one node leave as one `tasks` message, "
-                     "the shared payload encoded once, to each node that says it takes them "
+                     "the shared payload encoded once, to each node that says it takes them, "
+                     "and the node answers them with `updates` messages, one a round "
                      "(PROTOCOL.md §4.3); results are bit-identical to off. Secure "
                      "aggregation runs stay unbatched", ("off", "auto")),
     },

@@ -381,7 +381,7 @@ class Engine:
     def on_refused(self, r: Refusal, now: float) -> list[Out]:
         """The shell refused a message: count it; an update's live task, a merged update's
         members' tasks, a result's evaluation go on without it."""
-        self.totals["rejected" if r.kind in ("update", "merged") else "refused"] += 1
+        self.totals["rejected" if r.kind in ("update", "updates", "merged") else "refused"] += 1
         self.events.append({"event": "rejected", "kind": r.kind, "src": r.src,
                             "reason": r.reason})
         out: list[Out] = []

@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +99,73 @@ def judge(engine: Engine, msg: Message) -> Refusal | None:
 
 
 # kinds whose refusal is answered with an error (their senders wait for an outcome)
-ANSWERED = ("update", "merged", "eval_result")
+ANSWERED = ("update", "updates", "merged", "eval_result")
+
+# an update's refusals count as "rejected" (Engine.on_refused), a batch's envelope too
+UPDATE_KINDS = ("update", "updates", "merged")
+
+
+@dataclass
+class Member(Message):
+    """One member of an `updates` batch (PROTOCOL.md §4.3) as the `update` it stands for:
+    its sender the client address, its size its share of the batch's bytes."""
+
+    size: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.size
+
+
+def batch_members(msg: Message) -> list[Member]:
+    """An accepted `updates` batch's members, in order, each as an `update` message."""
+    members = msg.body["members"]
+    share, extra = divmod(msg.nbytes, len(members))
+    return [Member("update", m["from"], SERVER, {k: v for k, v in m.items() if k != "from"},
+                   run=msg.run, round=msg.round, size=share + (extra if i == 0 else 0))
+            for i, m in enumerate(members)]
+
+
+def _updates_problem(engine: Engine, msg: Message) -> str | None:
+    """Why an `updates` batch is refused whole, or None: its envelope only; each member is
+    judged as an `update` when it is taken (take_updates)."""
+    body: Any = msg.body
+    if engine.secure:
+        return "under secure aggregation each update travels alone (PROTOCOL.md §4.3)"
+    hosted = engine.nodes.get(msg.src)
+    if hosted is None:
+        return f"updates come from a node of this run, not {msg.src!r}"
+    if not isinstance(body, dict) or not isinstance(body.get("members"), list) or \
+            not body["members"]:
+        return "an updates body must be a map with a non-empty list members"
+    if len(body["members"]) > len(hosted):
+        return f"{len(body['members'])} members, more than the {len(hosted)} clients the " \
+               "sender hosts"
+    for i, m in enumerate(body["members"]):
+        if not isinstance(m, dict) or not isinstance(m.get("from"), str):
+            return f"members[{i}] must be an update map with 'from' (its client's address)"
+    return None
+
+
+def take_updates(engine: Engine, msg: Message, now: float) -> list[Out]:
+    """An accepted `updates` batch: each member judged and taken as the `update` it stands
+    for, one by one in the batch's order, so a bad member is refused alone (and ends its
+    own task) while the others count. A member for a client the sender does not host is
+    refused without touching that client's task (no node speaks for another's clients)."""
+    hosted = set(engine.nodes.get(msg.src, ()))
+    out: list[Out] = []
+    for m in batch_members(msg):
+        try:
+            client = client_index(m.src)
+        except ValueError:
+            client = None
+        if client not in hosted:
+            out += engine.on_refused(Refusal("update", msg.src, f"{m.src!r} is not a client "
+                                             f"of node {msg.src!r}", msg.round), now)
+            continue
+        refusal = judge(engine, m)
+        out += take(engine, m, now) if refusal is None else engine.on_refused(refusal, now)
+    return out
 
 
 def _judge(engine: Engine, msg: Message) -> Refusal | None:
@@ -143,6 +210,9 @@ def _judge(engine: Engine, msg: Message) -> Refusal | None:
         return None
     if kind == "merged":
         return _judge_merged(engine, msg, refuse)
+    if kind == "updates":
+        reason = _updates_problem(engine, msg)
+        return None if reason is None else refuse(reason)
     if kind == "secagg":
         if not isinstance(body, dict):
             return refuse("a secagg body must be a map")
@@ -288,6 +358,8 @@ def apply(engine: Engine, msg: Message, now: float) -> list[Out]:
         return engine.on_update(msg.src, body, msg.nbytes, now)
     if kind == "merged":
         return engine.on_merged(msg.src, body, msg.nbytes, now)
+    if kind == "updates":
+        return take_updates(engine, msg, now)
     if kind == "config":
         node = config_sender(engine, msg.src)
         # a node that takes batched tasks says so (PROTOCOL.md §4.3)
@@ -686,7 +758,7 @@ class ServerNode:
             self._log("refused", now, [b"", encode_body(refusal.to_dict())],
                       {"kind": refusal.kind, "src": refusal.src, "round": refusal.round})
         else:
-            key = "rejected" if refusal.kind in ("update", "merged") else "refused"
+            key = "rejected" if refusal.kind in UPDATE_KINDS else "refused"
             self._quiet_refusals[key] = self._quiet_refusals.get(key, 0) + 1
 
     def _send(self, peer: Peer, outs: list[Out]) -> None:
