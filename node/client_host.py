@@ -103,6 +103,7 @@ class ClientNode:
 
     def _build(self, run_id: str, cfg: Config) -> None:
         self.cfg, self.run_id = cfg, run_id
+        self._batch_of.clear()  # (task ids start again in a new run)
         threads = self.threads or node_threads(cfg)
         torch.set_num_threads(threads)
         spool = None
