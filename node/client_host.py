@@ -379,6 +379,13 @@ class ClientNode:
             log.warning("no config yet: ignored", kind=msg.kind)
         elif msg.kind == "task":
             self._safely(msg, self.on_task)
+        elif msg.kind == "tasks":
+            # (serve unpacks a batch into its queue first; a driver of handle alone, such as
+            # the simulator, gets its members one by one here, their answers sent at its end)
+            self._unbatch(msg)
+            while self._pending and self._pending[0].kind == "task":
+                self._safely(self._pending.popleft(), self.on_task)
+            self._flush_updates()
         elif msg.kind == "eval":
             self._safely(msg, self.on_eval)
         elif msg.kind == "secagg":
