@@ -82,13 +82,17 @@ def load_index(run: Path) -> list[dict]:
 
 
 def select(entries: list[dict], *, round_: int | None, client: int | None,
-           kinds: list[str] | None) -> list[dict]:
+           kinds: list[str] | None, batches: Summaries | None = None) -> list[dict]:
+    """The entries asked for. With `client`, those it sent or was sent, and (given
+    `batches`, which reads bodies) the batches holding a member of it."""
     address = None if client is None else f"c{client}"
     picked = []
     for e in entries:
         if round_ is not None and e.get("round") != round_:
             continue
-        if address is not None and address not in (e.get("src"), e.get("dst")):
+        if address is not None and address not in (e.get("src"), e.get("dst")) and not (
+                batches is not None and e.get("kind") in BATCHES and e.get("dir") != "refused"
+                and batches.of(e, client) is not None):
             continue
         if kinds and e.get("kind") not in kinds:
             continue
@@ -272,6 +276,8 @@ def summarize(entry: Mapping, body: Any) -> dict[str, Any]:
             out["clipped"] = body["clipped"]
         out["payload"] = payload_summary(body.get("payload"))
         return out
+    if kind in BATCHES:
+        return batch_summary(kind, body)
     if kind == "merged":
         out = _pick(body, "version", "rule")
         out["members"] = len(body.get("members") or ())
@@ -315,6 +321,50 @@ def summarize(entry: Mapping, body: Any) -> dict[str, Any]:
     if kind == "shutdown":
         return _pick(body, "reason")
     return {"keys": sorted(str(k) for k in body)[:12]}
+
+
+# batched tasks and updates (PROTOCOL.md §4.3): one message for several clients
+BATCHES = {"tasks": ("to", "task"), "updates": ("from", "update")}
+
+
+def batch_members(kind: str, body: Any) -> list[tuple[str, dict[str, Any]]]:
+    """A `tasks` or `updates` body's members as (client address, the body of the `task` or
+    `update` it stands for), in order. ValueError names what is malformed."""
+    if kind == "tasks":
+        from fedbus.node.engine import unbatch_tasks
+
+        return unbatch_tasks(body)
+    members = body.get("members") if isinstance(body, Mapping) else None
+    if not isinstance(members, list) or not all(
+            isinstance(m, Mapping) and isinstance(m.get("from"), str) for m in members):
+        raise ValueError("an updates body must be a map with a list members, each naming "
+                         "its client in 'from'")
+    return [(m["from"], {k: v for k, v in m.items() if k != "from"}) for m in members]
+
+
+def batch_summary(kind: str, body: Any) -> dict[str, Any]:
+    """A batch's summary: its members' clients and tasks, and (for `tasks`) how many
+    distinct payloads it carried, each encoded once, with the first's summary."""
+    members = batch_members(kind, body)
+    out: dict[str, Any] = {"members": len(members), "clients": [a for a, _ in members],
+                           "tasks": [b.get("task") for _, b in members]}
+    if kind == "tasks":
+        payloads = body.get("payloads") or []
+        out["payloads"] = len(payloads)
+        if payloads:
+            out["payload"] = payload_summary(payloads[0])
+    return out
+
+
+def member_summary(entry: Mapping, body: Any, address: str) -> dict[str, Any] | None:
+    """The summary of `address`'s member of a batch, as its own `task` or `update` would
+    be summarised (with "batch": the batch's member count), or None if it has none."""
+    kind = entry.get("kind")
+    for to, member in batch_members(kind, body):
+        if to == address:
+            single = {**entry, "kind": BATCHES[kind][1]}
+            return {**summarize(single, member), "batch": len(body["members"])}
+    return None
 
 
 def _g(x: Any, digits: int = 3) -> str:
@@ -390,6 +440,17 @@ def summary_text(entry: Mapping, s: Mapping[str, Any]) -> str:
         if "clipped" in s:
             words.append(f"clipped {s['clipped']}")
         return ", ".join(words) + tail
+    if "batch" in s:  # one client's member of a batch, shown as its own message
+        inner = summary_text({**entry, "kind": BATCHES[kind][1]},
+                             {k: v for k, v in s.items() if k != "batch"})
+        return f"(1 of {s['batch']} in the batch) {inner}"
+    if kind in BATCHES:
+        who = _ids(s.get("clients") or [])
+        ids = ",".join(str(t) for t in s.get("tasks") or [])
+        once = f", {s['payloads']} payload(s) sent once" if "payloads" in s else ""
+        word = "for" if kind == "tasks" else "from"
+        return f"{s.get('members', 0)} {BATCHES[kind][1]}s {word} clients {who} " \
+               f"(tasks {ids}){once}{tail}"
     if kind == "merged":
         return (f"{s.get('members', 0)} members, rule {s.get('rule', '?')} "
                 f"v{s.get('version', '?')}{tail}")
@@ -429,9 +490,11 @@ class Summaries:
         except LogCorrupt as err:
             self.missing = f"{err}: no payload summaries"
 
-    def of(self, entry: Mapping) -> dict[str, Any]:
-        if self.reader is None:
-            return {}
+    def of(self, entry: Mapping, client: int | None = None) -> dict[str, Any] | None:
+        """The entry's summary; with `client`, a batch's is that client's member's (None:
+        the batch holds no member of it)."""
+        if self.reader is None:  # (main said so once)
+            return None if client is not None and entry.get("kind") in BATCHES else {}
         from fedbus.broker.wire import WireError, decode_body
         from fedbus.record.msglog import LogCorrupt
 
@@ -440,6 +503,9 @@ class Summaries:
             if len(rec.frames) < 2 or not rec.frames[1]:
                 return {}  # a tick: no frames
             body = decode_body(rec.frames[1], max_frame=len(rec.frames[1]) + 1)
+            if client is not None and entry.get("kind") in BATCHES and \
+                    entry.get("dir") != "refused":
+                return member_summary(entry, body, f"c{client}")
             return summarize(entry, body)
         except (LogCorrupt, WireError, KeyError, ValueError, TypeError) as err:
             return {"error": " ".join(str(err).split())[:200]}
@@ -473,15 +539,16 @@ def main(args: argparse.Namespace) -> int:
         if not args.json:
             print("(empty log)")
         return 0
-    picked = [] if args.outcomes_only else \
-        select(entries, round_=args.round, client=args.client, kinds=args.kind)
     summaries = Summaries(run)
+    picked = [] if args.outcomes_only else \
+        select(entries, round_=args.round, client=args.client, kinds=args.kind,
+               batches=None if args.client is None else summaries)
     if summaries.missing and picked:
         print(f"fedbus log: {summaries.missing}", file=sys.stderr)
     t0 = entries[0]["t"]
     try:
         for e in picked:
-            summary = summaries.of(e)
+            summary = summaries.of(e, args.client)
             if args.json:
                 print(json.dumps({**e, "summary": summary}, allow_nan=False))
                 continue
@@ -492,7 +559,7 @@ def main(args: argparse.Namespace) -> int:
             text = summary_text(e, summary) if summary else ""
             print(f"{e['t'] - t0:9.3f}s {arrow} {e['kind']:<12} {peer:<10} {rnd:<5} "
                   f"{e['bytes']:>10,} B  seq {e['seq']:<6} {text}".rstrip())
-        for outcome in round_outcomes(run, args.round, args.client, entries):
+        for outcome in round_outcomes(run, args.round, args.client, entries, summaries):
             if args.json:
                 print(json.dumps({"outcome": outcome}, allow_nan=False))
             else:
@@ -510,17 +577,25 @@ def _ids(addresses: list) -> str:
 
 
 def round_outcomes(run: Path, round_: int | None, client: int | None,
-                   entries: list[dict] = ()) -> list[dict[str, Any]]:
-    """Who was sampled (the tasks of the round, from the index), answered, late or dead
-    (from metrics.jsonl), one dict a round."""
+                   entries: list[dict] = (), summaries: Summaries | None = None
+                   ) -> list[dict[str, Any]]:
+    """Who was sampled (the tasks of the round, from the index, and the members of its
+    `tasks` batches, read by `summaries`), answered, late or dead (from metrics.jsonl),
+    one dict a round."""
     path = run / "metrics.jsonl"
     if not path.exists():
         return []
     sampled: dict[int, list[int]] = {}
     for e in entries:
         dst = str(e.get("dst", ""))
-        if e.get("kind") == "task" and e.get("dir") == "out" and dst[1:].isdigit():
+        if e.get("dir") != "out" or (round_ is not None and e.get("round") != round_):
+            continue
+        if e.get("kind") == "task" and dst[1:].isdigit():
             sampled.setdefault(e.get("round"), []).append(int(dst[1:]))
+        elif e.get("kind") == "tasks" and summaries is not None:
+            got = summaries.of(e) or {}
+            sampled.setdefault(e.get("round"), []).extend(
+                int(a[1:]) for a in got.get("clients") or () if str(a)[1:].isdigit())
     records = []
     for line in path.read_text().splitlines():
         try:

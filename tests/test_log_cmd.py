@@ -225,8 +225,8 @@ def test_a_round_or_client_the_run_does_not_have_is_an_error_naming_the_range(
 def test_the_shutdown_round_shows_the_shutdown_and_unknown_kinds_are_refused(proto_run):
     lines = log(proto_run, "--round", "2").stdout.splitlines()  # 2 rounds: shutdown is r2
     assert len(lines) == 1 and " shutdown " in lines[0] and lines[0].endswith("run complete")
-    proc = log(proto_run, "--kind", "updates", check=False)
-    assert proc.returncode == 2 and "invalid choice: 'updates'" in proc.stderr
+    proc = log(proto_run, "--kind", "updatez", check=False)
+    assert proc.returncode == 2 and "invalid choice: 'updatez'" in proc.stderr
 
 
 # --- a failure: the error's code and reason ---
@@ -269,3 +269,49 @@ def test_an_error_shows_its_code_and_reason(tmp_path):
     line = log(run, "--kind", "error").stdout.splitlines()[0]
     assert line.endswith("handler_failed: ValueError('client 1 cannot train today')"), line
     assert "round 0: sampled 0,1,2  answered 0,2  error: 1" in log(run, "--outcomes-only").stdout
+
+
+# --- batched tasks and updates (bus.batch = "auto", PROTOCOL.md §4.3) ---
+
+BATCHED = merged(PROTO, bus={"batch": "auto"})
+
+
+@pytest.fixture(scope="module")
+def batched_run(tmp_path_factory):
+    run, _ = run_federation(tmp_path_factory.mktemp("batched"), BATCHED)
+    return run
+
+
+def test_a_batch_is_one_line_naming_its_members_and_client_finds_its_member(batched_run):
+    """A `tasks` or `updates` batch shows its members' clients and task ids, checked
+    against the logged bodies; --client shows that client's member of each batch as its
+    own task or update would be shown; the round outcomes name the batches' clients."""
+    truth = bodies(batched_run)
+    lines = json_lines(batched_run)
+    batches = [m for m in lines if m.get("kind") in ("tasks", "updates")]
+    assert {m["kind"] for m in batches} == {"tasks", "updates"}, "the run batched nothing"
+    for m in batches:
+        body, s = truth[m["i"]], m["summary"]
+        key = "to" if m["kind"] == "tasks" else "from"
+        assert s["clients"] == [b[key] for b in body["members"]]
+        assert s["tasks"] == [b["task"] for b in body["members"]]
+        assert s["members"] == len(body["members"]) >= 1
+        if m["kind"] == "tasks":
+            assert s["payloads"] == len(body["payloads"]) < s["members"] or s["members"] == 1
+    text = log(batched_run, "--kind", "tasks").stdout.splitlines()
+    assert any("tasks for clients" in ln and "payload(s) sent once" in ln for ln in text), text
+    # --client 2: every batch holding c2's member, shown as that member
+    mine = [m for m in json_lines(batched_run, "--client", "2") if "kind" in m]
+    held = [m for m in batches if "c2" in m["summary"]["clients"]]
+    assert [m["i"] for m in mine if m["kind"] in ("tasks", "updates")] == [m["i"] for m in held]
+    for m in mine:
+        if m["kind"] in ("tasks", "updates"):
+            body = truth[m["i"]]
+            key = "to" if m["kind"] == "tasks" else "from"
+            member = next(b for b in body["members"] if b[key] == "c2")
+            assert m["summary"]["task"] == member["task"]
+            assert m["summary"]["batch"] == len(body["members"])
+    shown = log(batched_run, "--client", "2").stdout
+    assert "in the batch) task " in shown, shown
+    outcomes = [m["outcome"] for m in lines if "outcome" in m]
+    assert outcomes and all(o["sampled"] == [0, 1, 2, 3] for o in outcomes), outcomes
