@@ -471,9 +471,7 @@ def _check_dp_claims(cfg: dict[str, dict[str, Any]]) -> None:
         if why is not None:
             raise ConfigError(why)
     if privacy["dp_noise"] == "distributed":
-        from fedbus.node.privacy.ddp import distributed_refusal
-
-        why = distributed_refusal(privacy)
+        why = _distributed_refusal(privacy)
         if why is not None:
             raise ConfigError(why)
     if privacy["dp"] == "client" and fed["sampling"] != "uniform":
@@ -707,3 +705,23 @@ def to_toml(sections: Mapping[str, Mapping[str, Any]]) -> str:
     for name, table in sections.items():
         out += [f"[{name}]", *(f"{k} = {value(v)}" for k, v in table.items()), ""]
     return "\n".join(out)
+
+
+def _distributed_refusal(privacy: Mapping[str, Any]) -> str | None:
+    """Why privacy.dp_noise = "distributed" cannot run with these settings, or None. Kept
+    here, not in node/privacy/ddp.py: reading a config must not import secure aggregation
+    (and through its identities, the bus)."""
+    if privacy.get("dp_noise") != "distributed":
+        return None
+    if privacy.get("dp") != "client":
+        return (f"privacy.dp_noise = distributed needs privacy.dp = client (the clients' "
+                f"noise shares sum to the client-level mechanism's), got dp = "
+                f"{privacy.get('dp')}; record and sgd levels already noise on the client")
+    if not privacy.get("secure_aggregation"):
+        return ("privacy.dp_noise = distributed needs privacy.secure_aggregation = true: "
+                "without masking each client's noise share alone would be far too small to "
+                "protect its update")
+    if float(privacy.get("target_epsilon", 0.0)) > 0:
+        return ("privacy.target_epsilon with dp_noise = distributed is not supported yet: "
+                "the epsilon a round spends depends on its survivors, known only after it")
+    return None

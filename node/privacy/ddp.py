@@ -380,21 +380,3 @@ def epsilon(rdp: np.ndarray, delta: float) -> float:
         return 0.0
     eps, _ = compute_epsilon(list(ORDERS), list(map(float, rdp)), float(delta))
     return float(eps)
-
-
-def distributed_refusal(privacy: Mapping[str, Any]) -> str | None:
-    """Why privacy.dp_noise = "distributed" cannot run with these settings, or None."""
-    if privacy.get("dp_noise") != "distributed":
-        return None
-    if privacy.get("dp") != "client":
-        return (f"privacy.dp_noise = distributed needs privacy.dp = client (the clients' "
-                f"noise shares sum to the client-level mechanism's), got dp = "
-                f"{privacy.get('dp')}; record and sgd levels already noise on the client")
-    if not privacy.get("secure_aggregation"):
-        return ("privacy.dp_noise = distributed needs privacy.secure_aggregation = true: "
-                "without masking each client's noise share alone would be far too small to "
-                "protect its update")
-    if float(privacy.get("target_epsilon", 0.0)) > 0:
-        return ("privacy.target_epsilon with dp_noise = distributed is not supported yet: "
-                "the epsilon a round spends depends on its survivors, known only after it")
-    return None
