@@ -339,8 +339,9 @@ def check(target: Target, data: bytes, work: Path) -> bool:
 # --- atheris, one target per process ----------------------------------------------------------
 
 def _atheris_child(name: str, corpus: Path, seconds: float, timeout: float, rss_mb: int,
-                   runs: int) -> None:
-    """Fuzz one target until the time is up (atheris.Fuzz exits the process)."""
+                   runs: int, libfuzzer_seed: int = 0) -> None:
+    """Fuzz one target until the time is up or `runs` inputs ran (atheris.Fuzz exits the
+    process); `libfuzzer_seed` fixes libFuzzer's mutations (0: libFuzzer draws one)."""
     import atheris
 
     from fedbus.broker.log import configure_logging
@@ -370,6 +371,8 @@ def _atheris_child(name: str, corpus: Path, seconds: float, timeout: float, rss_
             f"-artifact_prefix={crashes}/{name}-", "-max_len=65536"]
     if runs:
         argv.append(f"-runs={runs}")
+    if libfuzzer_seed:
+        argv.append(f"-seed={libfuzzer_seed}")
     atheris.Setup(argv, one)
     atheris.Fuzz()
 
@@ -385,12 +388,12 @@ class Result:
 
 
 def fuzz_one(name: str, corpus: Path, seconds: float, *, timeout: float = 10.0,
-             rss_mb: int = 2048, runs: int = 0) -> Result:
+             rss_mb: int = 2048, runs: int = 0, seed: int = 0) -> Result:
     """Run the atheris child for one target; its figures from libFuzzer's final stats."""
     t0 = time.monotonic()
     cmd = [sys.executable, "-m", "fedbus.bench.fuzz", "--child", name, "--corpus", str(corpus),
            "--seconds", str(seconds), "--timeout", str(timeout), "--rss-mb", str(rss_mb),
-           "--runs", str(runs)]
+           "--runs", str(runs), "--seed", str(seed)]
     proc = subprocess.run(cmd, capture_output=True, text=True,
                           timeout=seconds + 10 * timeout + 120,
                           env={**os.environ, "PYTHONHASHSEED": "0"})
@@ -438,6 +441,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="memory a target process may reach before it counts as an unbounded "
                         "allocation (default 2048)")
     p.add_argument("--runs", type=int, default=0, help="stop after this many inputs (0 = time)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="libFuzzer's seed: with --runs, the same inputs on any machine "
+                        "(default 0: libFuzzer draws one)")
     p.add_argument("--reproduce", default=None, metavar="FILE",
                    help="run one input file through TARGET and print what it raises")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the table as JSON")
@@ -472,7 +478,7 @@ def main_args(args: argparse.Namespace) -> int:
         return 0
     if args.child:
         _atheris_child(args.child, Path(args.corpus), args.seconds, args.timeout,
-                       args.rss_mb, args.runs)
+                       args.rss_mb, args.runs, args.seed)
         return 0
     if not have_atheris():
         print(f"fedbus bench fuzz needs atheris: {FUZZ_EXTRA}", file=sys.stderr)
@@ -488,7 +494,7 @@ def main_args(args: argparse.Namespace) -> int:
               f"{'corpus':>7s}  crash", flush=True)
         for name in names:
             r = fuzz_one(name, corpus, args.seconds, timeout=args.timeout,
-                         rss_mb=args.rss_mb, runs=args.runs)
+                         rss_mb=args.rss_mb, runs=args.runs, seed=args.seed)
             results.append(r)
             rate = f"{r.inputs / r.seconds:9.0f}" if r.inputs else f"{'-':>9s}"
             first = r.crash.splitlines()[0] if r.crash else "none"

@@ -15,7 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
-TOOLS = ("sbatch", "squeue", "scancel", "scontrol", "slurmctld", "slurmd", "munged")
+TOOLS = ("sbatch", "squeue", "scancel", "scontrol", "slurmctld", "slurmd", "munged", "munge")
 GPUS = 2
 
 
@@ -34,6 +34,19 @@ def why_not() -> str | None:
 
 def _tool(name: str) -> str:
     return shutil.which(name) or f"/usr/sbin/{name}"
+
+
+def _munge_answers() -> bool:
+    """munged is up and serving its socket: it encodes a credential."""
+    return subprocess.run(["munge", "-n"], capture_output=True, check=False).returncode == 0
+
+
+def _wait_for(ok, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout  # a liveness guard: these take well under a second
+    while not ok():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the test Slurm: gave up waiting for {what}")
+        time.sleep(0.1)
 
 
 def _free_port() -> int:
@@ -74,6 +87,8 @@ SlurmctldHost={self.host}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# a requeued job waits cred_expire s (default 120) before it may start again
+AuthInfo=cred_expire=30
 SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}
 StateSaveLocation={r}/state
@@ -101,11 +116,16 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
 
     def start(self) -> None:
         self.write_config()
-        if subprocess.run(["pgrep", "-x", "munged"], capture_output=True, check=False).returncode != 0:
+        if not _munge_answers():
+            # a munged an earlier session stopped may still be exiting (pgrep would find it
+            # and its socket be gone a moment later): wait for it before starting ours
+            _wait_for(lambda: subprocess.run(["pgrep", "-x", "munged"], capture_output=True,
+                                             check=False).returncode != 0, "munged to exit")
             Path("/run/munge").mkdir(parents=True, exist_ok=True)
             shutil.chown("/run/munge", "munge", "munge")
             _run(["runuser", "-u", "munge", "--", _tool("munged")])
             self.started_munge = True
+            _wait_for(_munge_answers, "munged to answer")
         _run([_tool("slurmctld"), "-f", str(self.conf)], env=self.env)
         _run([_tool("slurmd"), "-f", str(self.conf)], env=self.env)
         deadline = time.monotonic() + 120  # a liveness guard: the daemons come up in seconds
@@ -131,6 +151,8 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
                 pass
         if self.started_munge:
             subprocess.run(["pkill", "-x", "munged"], capture_output=True, check=False)
+            _wait_for(lambda: subprocess.run(["pgrep", "-x", "munged"], capture_output=True,
+                                             check=False).returncode != 0, "munged to exit")
 
     def job_state(self, job: str) -> str:
         out = _run(["scontrol", "show", "job", "-o", job], env=self.env, check=False).stdout
