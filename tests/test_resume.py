@@ -329,15 +329,23 @@ def test_a_damaged_client_state_is_named_and_its_client_starts_again(tmp_path):
     assert "client state not restored" in logs and victim.name in logs
 
 
+@pytest.fixture(scope="module")
+def one_round_run(tmp_path_factory):
+    """A finished one-round FedAvg run, made once: tests read it and damage copies."""
+    tmp = tmp_path_factory.mktemp("one-round")
+    cfg = write_config(tmp / "fedavg.toml", merged(SMALL, federation={"rounds": 1, "clients": 4},
+                                                   algorithm={"name": "fedavg"}))
+    fedbus("run", str(cfg), "--out", str(tmp / "whole"), "--quiet")
+    return tmp / "whole"
+
+
 @pytest.mark.parametrize("damage", [b"", b"\x93garbage", b"\x81\xa3abc\x01", "flip", "cut"])
-def test_a_damaged_checkpoint_is_one_line_naming_it(tmp_path, damage):
+def test_a_damaged_checkpoint_is_one_line_naming_it(tmp_path, damage, one_round_run):
     """Empty, not msgpack, msgpack that is no checkpoint, one byte of a real checkpoint
     changed (it would still decode: its digest catches it) or a real one cut short:
     `fedbus run --resume` and `fedbus server --resume` each say so in one line and exit 2,
     before anything starts."""
-    cfg = _config(tmp_path, "fedavg")
-    whole = tmp_path / "whole"
-    fedbus("run", str(cfg), "--out", str(whole), "--quiet", "--set", "federation.rounds=1")
+    whole = one_round_run
     stopped = tmp_path / "stopped"
     stopped.mkdir()
     (stopped / "config.json").write_text((whole / "config.json").read_text())
