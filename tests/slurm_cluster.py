@@ -138,6 +138,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
                 _run(["scontrol", "update", f"nodename={self.host}", "state=resume"],
                      env=self.env, check=False)
             time.sleep(0.5)
+        self.stop()  # the daemons that did start go with the error, not on after the tests
         raise RuntimeError(f"the test Slurm did not come up: sinfo says {state!r}; logs in "
                            f"{self.root / 'log'}")
 
