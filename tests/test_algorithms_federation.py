@@ -23,7 +23,7 @@ ALGORITHMS = ["local", "fedavg", "fedprox", "fedproto", "fedavg-proto", "mpfedcl
               "proto-attention", "fedtgp"]
 # (the baselines of the papers' tables run the same two tests in
 # tests/test_baselines_federation.py, a file of its own so that the test command's
-# `-n 3 --dist loadfile` runs the two halves on different workers)
+# `-n 2 --dist loadfile` runs the two halves on different workers)
 # No whole-model averaging: these run (a) with a model group (LG-FedAvg, FedGH and FedGen
 # share only the head, FML and FedKD only their auxiliary model).
 HETEROGENEOUS = {"local", "fedproto", "fedtgp", "fd", "lg-fedavg", "fml", "fedkd", "fedgh",

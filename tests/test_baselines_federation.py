@@ -3,7 +3,7 @@ FedKD, FedGH, FedGen; FedProto's Table 1: FedPer, FedRep) in the two real federa
 tests/test_algorithms_federation.py: sync rounds with partial participation and a folded
 straggler (with a model group where the method allows one) and async buffered aggregation
 with a slow client. The checks are that file's; this one only names the algorithms, so
-that the test command's `-n 3 --dist loadfile` runs the two halves on different workers.
+that the test command's `-n 2 --dist loadfile` runs the two halves on different workers.
 """
 from __future__ import annotations
 
