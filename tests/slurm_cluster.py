@@ -15,6 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from helpers import wait_until
+
 TOOLS = ("sbatch", "squeue", "scancel", "scontrol", "slurmctld", "slurmd", "munged", "munge")
 GPUS = 2
 
@@ -41,12 +43,9 @@ def _munge_answers() -> bool:
     return subprocess.run(["munge", "-n"], capture_output=True, check=False).returncode == 0
 
 
-def _wait_for(ok, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout  # a liveness guard: these take well under a second
-    while not ok():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the test Slurm: gave up waiting for {what}")
-        time.sleep(0.1)
+def _munged_gone() -> bool:
+    return subprocess.run(["pgrep", "-x", "munged"], capture_output=True,
+                          check=False).returncode != 0
 
 
 def _free_port() -> int:
@@ -119,13 +118,12 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
         if not _munge_answers():
             # a munged an earlier session stopped may still be exiting (pgrep would find it
             # and its socket be gone a moment later): wait for it before starting ours
-            _wait_for(lambda: subprocess.run(["pgrep", "-x", "munged"], capture_output=True,
-                                             check=False).returncode != 0, "munged to exit")
+            wait_until(_munged_gone, 60, "munged to exit")
             Path("/run/munge").mkdir(parents=True, exist_ok=True)
             shutil.chown("/run/munge", "munge", "munge")
             _run(["runuser", "-u", "munge", "--", _tool("munged")])
             self.started_munge = True
-            _wait_for(_munge_answers, "munged to answer")
+            wait_until(_munge_answers, 60, "munged to answer")
         _run([_tool("slurmctld"), "-f", str(self.conf)], env=self.env)
         _run([_tool("slurmd"), "-f", str(self.conf)], env=self.env)
         deadline = time.monotonic() + 120  # a liveness guard: the daemons come up in seconds
@@ -152,8 +150,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
                 pass
         if self.started_munge:
             subprocess.run(["pkill", "-x", "munged"], capture_output=True, check=False)
-            _wait_for(lambda: subprocess.run(["pgrep", "-x", "munged"], capture_output=True,
-                                             check=False).returncode != 0, "munged to exit")
+            wait_until(_munged_gone, 60, "munged to exit")
 
     def job_state(self, job: str) -> str:
         out = _run(["scontrol", "show", "job", "-o", job], env=self.env, check=False).stdout
