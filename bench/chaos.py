@@ -326,12 +326,15 @@ def build_network(work: Path, hosts: list[str], args: argparse.Namespace
                  f"({net.impairer}); link cuts in the schedule")
 
 
-def left_behind(feds: list[Federation]) -> list[str]:
-    """Processes of the bench still alive: its children, and anything in the process groups
-    it started."""
-    groups = {p.pid for f in feds for p in f.every}
+def children_now() -> set[int]:
+    """The pids of this process's live children (before a storm: not the storm's)."""
     mine = os.getpid()
-    found = []
+    return {pid for pid, ppid, _pgrp in _processes() if ppid == mine}
+
+
+def _processes() -> list[tuple[int, int, int]]:
+    """(pid, ppid, process group) of every live, non-zombie process, from /proc."""
+    out = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -340,12 +343,25 @@ def left_behind(feds: list[Federation]) -> list[str]:
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[1].split()
-        state, ppid, pgrp = fields[0], int(fields[1]), int(fields[2])
-        if state == "Z":
-            continue
-        if ppid == mine or pgrp in groups:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            found.append(f"pid {entry.name} ({cmd.strip()[:120]})")
+        if fields[0] != "Z":
+            out.append((int(entry.name), int(fields[1]), int(fields[2])))
+    return out
+
+
+def left_behind(feds: list[Federation], before: set[int] = frozenset()) -> list[str]:
+    """Processes of the bench still alive: its children (less BEFORE, those that were there
+    when it began: a test runner's own helpers), and anything in the process groups it
+    started."""
+    groups = {p.pid for f in feds for p in f.every}
+    mine = os.getpid()
+    found = []
+    for pid, ppid, pgrp in _processes():
+        if (ppid == mine and pid not in before) or pgrp in groups:
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            except OSError:
+                continue
+            found.append(f"pid {pid} ({cmd.decode(errors='replace').strip()[:120]})")
     return found
 
 
@@ -971,6 +987,7 @@ def run_storm(args: argparse.Namespace, *, mode: str, relay: bool, algorithm: st
     out.mkdir(parents=True, exist_ok=True)
     hosts = ["broker", "server"] + [f"node-{i}" for i in range(args.nodes)] + \
         ([f"relay-{i}" for i in range(args.nodes)] if relay else [])
+    before = children_now()
     net, links = build_network(out, hosts, args)
     if faults is None:
         faults = make_schedule(seed, rounds, n_faults, nodes=args.nodes, relay=relay,
@@ -995,7 +1012,7 @@ def run_storm(args: argparse.Namespace, *, mode: str, relay: bool, algorithm: st
     finally:
         server_rc = fed.procs["server"].poll() if "server" in fed.procs else None
         fed.close()
-    leftovers = left_behind([fed])
+    leftovers = left_behind([fed], before)
     wall = time.time() - started
     try:
         summary = json.loads((run / "summary.json").read_text())

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zygote
 
 # Test modules that import the privacy extra at their top. Where it is missing (a lent GPU
 # machine, a user's base install plus pytest) they are left out and named in the header rather
@@ -136,15 +137,13 @@ class BrokerProc:
             self.args += ["--max-frame-mb", str(max_frame_mb)]
         if grace_s is not None:
             self.args += ["--grace-s", str(grace_s)]
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | zygote.ForkedFedbus | None = None
         self.starts = 0
 
     def start(self, timeout: float = START_TIMEOUT) -> BrokerProc:
         already = len(self.events("broker listening"))
-        with open(self.stderr_file, "ab") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "fedbus.launch", "broker", *self.args],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=self.env)
+        self.proc = zygote.start(["broker", *self.args], stdout=Path(os.devnull),
+                                 stderr=self.stderr_file, cwd=self.workdir, env=self.env)
         self.starts += 1
 
         def up():

@@ -7,12 +7,12 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import zygote
 
 from fedbus.bench.common import write_toml as write_config
 
@@ -51,8 +51,7 @@ SLOW = 2  # the straggler, or the slow client of an async run
 
 def fedbus(*args: str, timeout: float = 300, check: bool = True,
            cwd: Path | None = None) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "fedbus.launch", *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=cwd or REPO)
+    proc = zygote.run(list(args), cwd=cwd or REPO, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"fedbus {' '.join(args)} exited {proc.returncode}\n"
                              f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}")
@@ -172,9 +171,7 @@ class Processes:
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, name: str, *args: str) -> subprocess.Popen:
-        log = open(self.log_dir / f"{name}.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "fedbus.launch", *args], cwd=REPO,
-                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = zygote.start(list(args), stdout=self.log_dir / f"{name}.log", cwd=REPO)
         self.procs[name] = proc
         return proc
 

@@ -8,12 +8,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
+import zygote
 from helpers import REPO, SMALL, fedbus, merged, metrics, wait_until, write_config
 
 from fedbus.node.server import read_checkpoint
@@ -79,9 +78,8 @@ def _kill_mid_round(cfg, run_dir, after_records: int) -> None:
     whose work is partly done: once `after_records` rounds are recorded and a checkpoint is
     written, the server is stopped (SIGSTOP) and the facts are read again: the run must
     not have ended. The kill is aimed by events, never by a wait."""
-    proc = subprocess.Popen([sys.executable, "-m", "fedbus.launch", "run", str(cfg), "--out",
-                             str(run_dir), "--quiet"], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = zygote.start(["run", str(cfg), "--out", str(run_dir), "--quiet"],
+                        stdout=run_dir.with_name(run_dir.name + ".out"), cwd=REPO)
     stopped = None
     try:
         def mid_round() -> bool:
@@ -170,9 +168,8 @@ def test_a_node_killed_before_its_states_are_written_resumes_exactly(tmp_path):
 
     run_dir = tmp_path / "stopped"
     env = {**os.environ, "FEDBUS_HOLD_STATE_WRITES": "2:node-1"}
-    proc = subprocess.Popen([sys.executable, "-m", "fedbus.launch", "run", str(cfg), "--out",
-                             str(run_dir), "--quiet"], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = zygote.start(["run", str(cfg), "--out", str(run_dir), "--quiet"],
+                        stdout=run_dir.with_name(run_dir.name + ".out"), cwd=REPO, env=env)
     server = None
     try:
         # checkpoint 1 is written once flush 1 is answered; later ones never are; node-0's
@@ -284,9 +281,8 @@ def test_the_store_keeps_the_newest_states_and_finds_the_one_before_a_round(tmp_
 def test_without_client_state_a_resume_says_the_clients_start_again(tmp_path):
     cfg = _config(tmp_path, "fedproto")
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "fedbus.launch", "run", str(cfg), "--out",
-                             str(run_dir), "--quiet", "--no-client-state"], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = zygote.start(["run", str(cfg), "--out", str(run_dir), "--quiet", "--no-client-state"],
+                        stdout=run_dir.with_name(run_dir.name + ".out"), cwd=REPO)
     server = None
     try:
         wait_until(lambda: _records(run_dir) >= 2, 240, "two rounds recorded", interval=0.002)
