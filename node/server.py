@@ -864,7 +864,7 @@ class ServerNode:
         status = self._status(time.time())
         status["state"] = "interrupted" if why.startswith("SIG") else "failed"
         status["stopped_by"] = why
-        self.run.write_status(status)
+        self.run.write_status(status, durable=True)
         self._rejections.summarise(time.time(), force=True)
         if self.msglog is not None:
             self._log_quiet(time.time())
@@ -895,7 +895,7 @@ class ServerNode:
         if masks:  # segmentation: the mask plot's images (fedbus.analysis.plots)
             atomic_write(self.run.path / "masks.fbk",
                          encode_body({"clients": {str(k): v for k, v in masks.items()}}))
-        self.run.write_status(self._status(time.time()))
+        self.run.write_status(self._status(time.time()), durable=True)
         self._rejections.summarise(time.time(), force=True)
         if self.msglog is not None:
             self._log_quiet(time.time())

@@ -30,12 +30,17 @@ ACC_KEYS = ("acc_mean", "acc_std", "acc_weighted", "proto_acc_mean", "proto_acc_
             "aux_acc_std", "local_head_acc_mean", "global_head_acc_mean")
 
 
-def atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes, *, durable: bool = True) -> None:
+    """Replace PATH by DATA whole: a reader sees the old bytes or the new ones, never a mix.
+    durable: the bytes reach the disk before the rename (fsync), so a crash of the machine
+    cannot leave the new name on lost data; False for files rewritten often whose loss
+    costs nothing but a moment's display (status.json)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -106,8 +111,11 @@ class RunDir:
         if self._tb is not None:
             self._tb.add(records)
 
-    def write_status(self, status: dict[str, Any]) -> None:
-        atomic_write(self.path / "status.json", json.dumps(status).encode())
+    def write_status(self, status: dict[str, Any], *, durable: bool = False) -> None:
+        """status.json: rewritten up to four times a second while a run goes (a progress
+        display's, not a resume's: no fsync then, which cost the server's loop about a
+        millisecond each); durable for the state a run ends in."""
+        atomic_write(self.path / "status.json", json.dumps(status).encode(), durable=durable)
 
     def write_csv(self) -> None:
         cols: list[str] = []
