@@ -211,9 +211,12 @@ def _check_work(work: Any, name: str = "work") -> None:
         _check_number(f"{name}.{key}", work[key], high=MAX_WORK)
 
 
-def _check_arrays(payload: Any, spec: Mapping[str, Any] | None, max_bytes: int | None) -> None:
+def _check_arrays(payload: Any, spec: Mapping[str, Any] | None,
+                  max_bytes: int | None) -> dict[str, float]:
     """The declared arrays are there with their dtype and shape; nothing is NaN or Inf;
-    the arrays fit under max_bytes."""
+    the arrays fit under max_bytes. Returns the squared L2 norm of each top-level float
+    array of a payload that is a map of arrays, by key: the finiteness check computed it
+    (_finite_sq_norm), and check_norms needs it."""
     if not isinstance(payload, (dict, Mapping)):
         raise Rejected("payload must be a map")
     for path, dtype, shape in _flatten_spec(spec or {}):
@@ -228,17 +231,43 @@ def _check_arrays(payload: Any, spec: Mapping[str, Any] | None, max_bytes: int |
             raise Rejected(f"{name} has shape {tuple(arr.shape)}, expected "
                            f"{tuple('*' if s is None else s for s in shape)}")
     total = 0
+    squares: dict[str, float] = {}
     if all(type(v) is np.ndarray for v in payload.values()):  # the usual: a map of arrays
-        found = ((f"payload.{key}", value) for key, value in payload.items())
+        for key, value in payload.items():
+            if value.dtype.kind == "f" and value.size:
+                sq = _finite_sq_norm(value)
+                if sq is None:
+                    raise Rejected(f"payload.{key} contains NaN or Inf")
+                squares[key] = sq
+            elif not _finite(value):
+                raise Rejected(f"payload.{key} contains NaN or Inf")
+            total += value.nbytes
     else:
-        found = _walk(payload)
-    for path, value in found:
-        if not _finite(value):
-            raise Rejected(f"{path} contains NaN or Inf" if isinstance(value, np.ndarray)
-                           else f"{path} is {value}")
-        total += value.nbytes if isinstance(value, np.ndarray) else 0
+        for path, value in _walk(payload):
+            if not _finite(value):
+                raise Rejected(f"{path} contains NaN or Inf" if isinstance(value, np.ndarray)
+                               else f"{path} is {value}")
+            total += value.nbytes if isinstance(value, np.ndarray) else 0
     if max_bytes is not None and total > max_bytes:
         raise Rejected(f"payload arrays of {total} bytes exceed the {max_bytes}-byte cap")
+    return squares
+
+
+def _finite_sq_norm(a: np.ndarray) -> float | None:
+    """The squared L2 norm of a float array if every value in it is finite, else None, in
+    one pass where it can: a finite sum of squares proves every value finite (NaN and Inf
+    carry into it, and squares cannot cancel), so np.isfinite is asked only where the sum
+    is not finite, to tell a NaN or Inf from a float32 square that overflowed."""
+    flat = a.ravel()
+    sq = float(np.dot(flat, flat))
+    if math.isfinite(sq):
+        return sq
+    if not bool(np.isfinite(a).all()):
+        return None
+    if a.dtype == np.float64:
+        return sq  # inf: above any bound, which is all a bound needs
+    wide = flat.astype(np.float64)  # a float32 overflow: say how far (as _sq_norm does)
+    return float(np.dot(wide, wide))
 
 
 def _row_norms(a: np.ndarray) -> np.ndarray:
@@ -275,9 +304,11 @@ def _float_arrays(value: Any, path: str):
                 yield p, v
 
 
-def check_norms(payload: Mapping[str, Any], norms: Norms | None) -> None:
+def check_norms(payload: Mapping[str, Any], norms: Norms | None,
+                squares: Mapping[str, float] | None = None) -> None:
     """Prototype rows within norms.proto; every other float array of the payload, together,
-    within norms.update (tolerance 1e-4 relative: a float32 clip lands a hair above)."""
+    within norms.update (tolerance 1e-4 relative: a float32 clip lands a hair above).
+    squares: squared norms of top-level arrays already computed (_check_arrays)."""
     if norms is None or (norms.proto <= 0 and norms.update <= 0):
         return  # no bound to check (the default): no norm to compute
     rest = 0.0
@@ -288,6 +319,9 @@ def check_norms(payload: Mapping[str, Any], norms: Norms | None) -> None:
                 if not worst <= norms.proto * (1 + 1e-4):
                     raise Rejected(f"payload.{key} has a prototype of L2 norm {worst:.4g}, "
                                    f"above the server's bound {norms.proto:.4g}")
+            continue
+        if squares is not None and key in squares:
+            rest += squares[key]
             continue
         for _, value in _float_arrays(top, f"payload.{key}"):
             rest += _sq_norm(value)
@@ -368,7 +402,7 @@ def check_update(body: Any, spec: Mapping[str, Any] | None, *,
     _check_number("num_samples", body["num_samples"], high=max_samples)
     _check_work(body["work"])
     payload = body["payload"]
-    _check_arrays(payload, spec, max_bytes)
+    squares = _check_arrays(payload, spec, max_bytes)
     bounds = ClientBounds(int(max_samples), None if class_samples is None else
                           np.asarray(class_samples), int(label_pixels), int(count_epochs),
                           presence=bool(presence))
@@ -377,7 +411,7 @@ def check_update(body: Any, spec: Mapping[str, Any] | None, *,
     if isinstance(classes, np.ndarray) and classes.size:
         if classes.dtype.kind not in "iu" or classes.min() < 0 or classes.max() >= num_classes:
             raise Rejected(f"class ids must lie in [0, {num_classes})")
-    check_norms(payload, norms)
+    check_norms(payload, norms, squares)
 
 
 def check_merged(body: Any, spec: Mapping[str, Any], *,

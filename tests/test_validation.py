@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 
 import numpy as np
@@ -253,6 +254,45 @@ def test_size_cap_on_payload_arrays_and_on_the_message():
         check_update(body, spec, num_classes=2, max_samples=10, max_bytes=800, nbytes=700)
     with pytest.raises(Rejected, match="update of 1200 bytes exceeds the 1000-byte cap"):
         check_update(body, spec, num_classes=2, max_samples=10, max_bytes=1000, nbytes=1200)
+
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_the_one_pass_finiteness_and_norm_check_agrees_with_the_two_pass_one(dtype):
+    """check_update proves an array finite by its sum of squares being finite, and hands
+    that sum to the norm bound: NaN or Inf anywhere (alone or beside huge values) is still
+    named, a finite array whose squares overflow its float type is finite and measured in
+    float64, and the bound sees the norm the separate computation gives."""
+    from fedbus.node.validate import Norms, _sq_norm, check_norms
+
+    def body(delta):
+        return {"task": 1, "version": 0, "num_samples": 1,
+                "work": {"epochs_asked": 1, "epochs_done": 1, "steps": 1, "samples": 1},
+                "payload": {"delta": delta, "protos": np.ones((2, 3), np.float32)}}
+
+    def check(delta, bound):
+        check_update(body(delta), None, num_classes=2, max_samples=10,
+                     norms=Norms(proto=0.0, update=bound))
+
+    big = float(np.finfo(dtype).max) / 4
+    rng = np.random.default_rng(0)
+    with np.errstate(over="ignore", invalid="ignore"):  # (what the inputs are made of)
+        for bad in (np.nan, np.inf, -np.inf):
+            for fill in (0.0, big):
+                delta = np.full(64, fill, dtype)
+                delta[rng.integers(64)] = bad
+                with pytest.raises(Rejected, match=r"payload\.delta contains NaN or Inf"):
+                    check(delta, 0.0)
+        huge = np.full(64, big, dtype)  # finite, but its squares overflow
+        want = math.sqrt(_sq_norm(huge))
+        with pytest.raises(Rejected, match=re.escape(f"L2 norm {want:.4g}, above")):
+            check(huge, 1.0)
+    small = rng.normal(size=64).astype(dtype)
+    norm = math.sqrt(_sq_norm(small))
+    check(small, norm * 1.00001)  # the same norm both ways: at the bound, accepted
+    with pytest.raises(Rejected, match="above the server's bound"):
+        check(small, norm * 0.999)
+    check_norms({"delta": small}, Norms(update=norm * 1.00001))
 
 
 # --------------------------------------------------------------------------- a real federation
