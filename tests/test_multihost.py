@@ -89,6 +89,11 @@ BASE = {
 # into the next one (staleness 1), on any machine. No evaluation between rounds: a round is
 # open at every moment of the run, with the straggler's task unanswered in it, so a fault
 # injected at any moment lands mid-round.
+# A scenario whose verdict is "nobody is taken for dead" gives its peers this many heartbeats
+# (1 s each) before a purge, rather than the default 3: a verdict, not the machine's speed.
+LIVENESS_NO_PURGE = 30
+
+
 def held_straggler(client: int) -> dict:
     return {"federation": {"quorum": 5, "late": "fold", "eval_every": 100},
             "system": {"hold_clients": [client]}}
@@ -138,8 +143,12 @@ class Federation:
     each with its own keys folder, every process started there with the `fedbus` CLI."""
 
     def __init__(self, net: Network, workdir: Path, nodes: dict[str, str], *,
-                 broker_host: str = "broker", server_host: str = "server"):
+                 broker_host: str = "broker", server_host: str = "server",
+                 liveness: int | None = None):
         self.net = net
+        # heartbeats a peer may miss before the broker purges it and a node takes the broker
+        # for lost (the CLI's default 3 where None; the server's is its config's bus.liveness)
+        self.liveness = [] if liveness is None else ["--liveness", str(liveness)]
         self.workdir = workdir
         self.nodes = nodes  # host (also the node's name and key) -> its client ids, "0-2"
         self.broker_host, self.server_host = broker_host, server_host
@@ -176,7 +185,7 @@ class Federation:
         self.broker = self.net.spawn(
             self.broker_host, f"broker-{self.broker_starts}",
             [*FEDBUS, "broker", "--bind", f"tcp://0.0.0.0:{PORT}",
-             "--keys-dir", str(self.keys[self.broker_host]),
+             "--keys-dir", str(self.keys[self.broker_host]), *self.liveness,
              "--log-file", str(self.workdir / "broker.jsonl")])
         return self.broker
 
@@ -192,7 +201,7 @@ class Federation:
         self.node_procs[host] = self.net.spawn(
             host, host,
             [*FEDBUS, "node", "--broker", self.endpoint, "--keys-dir", str(self.keys[host]),
-             "--key", host, "--clients", self.nodes[host],
+             "--key", host, "--clients", self.nodes[host], *self.liveness,
              "--log-file", str(self.workdir / f"{host}.jsonl")])
         return self.node_procs[host]
 
@@ -294,13 +303,16 @@ def test_delay_and_loss_on_every_link_match_the_loopback_run(tmp_path):
         pytest.skip(f"multi-host: no impairer: {why}")
     nodes = {"n0": "0-1", "n1": "2-3", "n2": "4-5"}
     hosts = ["broker", "server", *nodes]
-    config = sections()
+    # Every client in every round is the verdict, so no peer may be taken for dead: a node
+    # of the impaired run once went 3.9 s without a heartbeat on the loaded CI machine
+    # (liveness 3 x 1 s) and was purged. Nothing here is about liveness: 30 heartbeats.
+    config = sections({"bus": {"liveness": LIVENESS_NO_PURGE}})
     impairment = Impairment(delay_ms=50.0, jitter_ms=10.0, loss=0.01, seed=1)
     results = {}
     for label, kw in (("loopback", {"loopback": True}), ("impaired", {"impairment": impairment})):
         work = tmp_path / label
         with Network(hosts, work / "net", **kw) as net:
-            fed = Federation(net, work, nodes)
+            fed = Federation(net, work, nodes, liveness=LIVENESS_NO_PURGE)
             started = time.monotonic()
             fed.start(config)
             summary = fed.finish()
