@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing
+import multiprocessing.util  # noqa: F401  its exit handler, registered now: see _kill_leftovers
 import os
 import signal
 import subprocess
@@ -179,8 +180,11 @@ def run(argv: list[str], *, cwd: Path | str, timeout: float,
 
 @atexit.register
 def _kill_leftovers() -> None:
-    """Before multiprocessing's own exit handler joins every child it started (registered
-    earlier, so it runs later), kill the ones a failed test left running."""
+    """Before multiprocessing's own exit handler joins every child it started, kill the ones
+    a failed test left running. atexit runs handlers last-registered first, and
+    multiprocessing.util registers its handler when it is first imported, which a bare
+    `import multiprocessing` does not do: hence the import at the top of this module,
+    before this registration (without it a leaked process hung the worker's exit)."""
     for proc in list(_live):  # poll() removes from _live
         proc.kill()
         try:
