@@ -256,7 +256,6 @@ def test_size_cap_on_payload_arrays_and_on_the_message():
         check_update(body, spec, num_classes=2, max_samples=10, max_bytes=1000, nbytes=1200)
 
 
-
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
 def test_the_one_pass_finiteness_and_norm_check_agrees_with_the_two_pass_one(dtype):
     """check_update proves an array finite by its sum of squares being finite, and hands
