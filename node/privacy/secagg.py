@@ -258,6 +258,14 @@ def _prg(seed: bytes, info: bytes, length: int, ring_bits: int) -> np.ndarray:
     return _reduce(out, ring_bits)
 
 
+def _add_prg(acc: np.ndarray, seed: bytes, info: bytes, sign: int) -> None:
+    """acc += sign x _prg(seed, info, len(acc), .) mod 2^64, the stream read in place: the
+    same values as _prg's before its reduction, which the caller does once at the end
+    (2^ring_bits divides 2^64, so reducing each term first changes nothing)."""
+    enc = Cipher(algorithms.ChaCha20(_hkdf(seed, info), bytes(16)), mode=None).encryptor()
+    _add_signed(acc, np.frombuffer(enc.update(bytes(8 * len(acc))), dtype="<u8"), sign)
+
+
 def _reduce(values: np.ndarray, ring_bits: int) -> np.ndarray:
     if ring_bits < 64:
         values &= np.uint64((1 << ring_bits) - 1)
@@ -832,11 +840,9 @@ class ClientSession:
             self.check_share_senders(share_senders)
         ring = self._ring
         y, clipped = encode_integers(values, ring) if integers else encode(values, ring)
-        n = len(y)
-        _add_signed(y, _prg(self._b_seed, _PRG_SELF_INFO + self.context, n, ring.ring_bits), 1)
+        _add_prg(y, self._b_seed, _PRG_SELF_INFO + self.context, 1)
         for v in peers:
-            term = _prg(self._pairwise[v], _PRG_PAIR_INFO + self.context, n, ring.ring_bits)
-            _add_signed(y, term, _sign(self.client, v))
+            _add_prg(y, self._pairwise[v], _PRG_PAIR_INFO + self.context, _sign(self.client, v))
         self._masked_with = peers
         return pack(_reduce(y, ring.ring_bits), ring.ring_bits), clipped
 
@@ -1332,7 +1338,7 @@ class ServerSession:
         """The ring sum with every mask removed, the shares of `without` left out."""
         self._need_graph()
         assert self._sum is not None and self._survivors is not None
-        bits, n = self.ring.ring_bits, len(self._sum)
+        bits = self.ring.ring_bits
         # rebuild every secret before touching the sum, so a failure unmasks nothing
         seeds = self._combine(self._secrets(without))
         b_seeds = {u: seeds["b", u] for u in self._survivors}
@@ -1345,15 +1351,14 @@ class ServerSession:
             s_keys[w] = key
         total = self._sum.copy()
         for u in self._survivors:
-            _add_signed(total, _prg(b_seeds[u], _PRG_SELF_INFO + self.context, n, bits), -1)
+            _add_prg(total, b_seeds[u], _PRG_SELF_INFO + self.context, -1)
         alive = set(self._survivors)
         for w, key in s_keys.items():
             for v in self._links()[w]:
                 if v in alive:
                     seed = _pairwise_seed(key, self._keys[v][1], v, self.context)
-                    term = _prg(seed, _PRG_PAIR_INFO + self.context, n, bits)
                     # v added sign(v, w) * PRG(s_vw); take it off
-                    _add_signed(total, term, -_sign(v, w))
+                    _add_prg(total, seed, _PRG_PAIR_INFO + self.context, -_sign(v, w))
         return _reduce(total, bits)
 
     def _within_bounds(self, total: np.ndarray) -> bool:
