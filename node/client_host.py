@@ -176,7 +176,7 @@ class ClientNode:
                 if msg.kind == "tasks":  # a batch: its members, as if each had come alone
                     self._unbatch(msg)
                     continue
-                if msg.kind == "task" and self._cohort_may(msg):
+                if msg.kind == "task" and (self._secure_task(msg) or self._cohort_may(msg)):
                     self._safely_tasks(self._gather(msg))
                     continue
                 if msg.kind == "shutdown":
@@ -223,6 +223,11 @@ class ClientNode:
             log.info("held update released", client=client_index(msg.dst), round=rnd,
                      by_round=round_)
             self._send_update(msg, update)
+
+    def _secure_task(self, msg: Message) -> bool:
+        """A task of a securely aggregated round: gathered with the round's other tasks so
+        that all their keys leave before any of them trains (on_tasks)."""
+        return self.secure is not None and isinstance(msg.body, dict) and "secagg" in msg.body
 
     def _cohort_may(self, msg: Message) -> bool:
         """Whether a task is worth gathering others with: train.cohort is not off and its
@@ -333,10 +338,8 @@ class ClientNode:
         chunks that stay resident together (pinned in the pool, at most what its budget
         holds: ClientPool.cohort_room), each chunk through run_tasks."""
         mode = self.cfg.train.get("cohort", "auto")
-        alone = [m for m in msgs if self.secure is not None and "secagg" in m.body]
-        for msg in alone:
-            self._answered.add(msg.dst)
-            self._safely(msg, self.on_task)  # run_task: a cohort of one where supported
+        alone = [m for m in msgs if self._secure_task(m)]
+        self._train_secure(alone)
         rest = [m for m in msgs if m not in alone]
         while rest:
             room = self.pool.cohort_room(client_index(rest[0].dst))
@@ -367,6 +370,47 @@ class ClientNode:
                 self._answered.add(msg.dst)
                 self._finish(msg, handler, update, started + took)
 
+    def _train_secure(self, msgs: list[Message]) -> None:
+        """Securely aggregated tasks, each trained alone: every one's keys sent first, and
+        between two trainings the secure steps that came meanwhile answered (peers with
+        shares, masking with the masked update of a client already trained). The round's
+        key and share steps so run while its clients train (SecAgg's setup before the
+        masked input, Bonawitz et al. 2017 §4), where one task after another used to send
+        its keys only when the tasks before it had trained, and every share waited for the
+        node's last training."""
+        admitted = []
+        for msg in msgs:
+            self._answered.add(msg.dst)
+            try:
+                if self._admit(msg):
+                    admitted.append(msg)
+            except Exception as err:  # noqa: BLE001 - as _safely: this client's task only
+                self._task_failed(msg, err)
+        for msg in admitted:
+            self._answer_secure_steps()
+            try:
+                started = time.monotonic()
+                handler = self._handler(msg)
+                update, took = run_task(handler, msg.body)
+                self._finish(msg, handler, update, started + took)
+            except Exception as err:  # noqa: BLE001 (_task_failed logs it)
+                self._task_failed(msg, err)
+        self._answer_secure_steps()
+
+    def _answer_secure_steps(self) -> None:
+        """The secure-aggregation steps already received, answered now; any other message
+        waits its turn in _pending, in the order it came."""
+        if self.peer is None:  # driven by handle() alone (the simulator): nothing queued
+            return
+        while True:
+            msg = self._recv(0.0)
+            if msg is None:
+                return
+            if msg.kind == "secagg":
+                self._safely(msg, self.on_secagg)
+            else:
+                self._pending.append(msg)
+
     def handle(self, msg: Message) -> None:
         body = msg.body if isinstance(msg.body, dict) else {}
         if msg.kind == "config":
@@ -394,10 +438,13 @@ class ClientNode:
     def _safely(self, msg: Message, fn) -> None:
         try:
             fn(msg)
-        except Exception as err:  # a handler bug must not take every client down
-            log.exception("handler failed", kind=msg.kind, client=msg.dst)
-            self._send("error", msg, {"code": "handler_failed", "reason": repr(err)[:500],
-                                      "task": msg.body.get("task"), "eval": msg.body.get("eval")})
+        except Exception as err:  # noqa: BLE001 - a handler bug must not take every client down
+            self._task_failed(msg, err)
+
+    def _task_failed(self, msg: Message, err: Exception) -> None:
+        log.exception("handler failed", kind=msg.kind, client=msg.dst)
+        self._send("error", msg, {"code": "handler_failed", "reason": repr(err)[:500],
+                                  "task": msg.body.get("task"), "eval": msg.body.get("eval")})
 
     def _send(self, kind: str, msg: Message, body: dict[str, Any]) -> None:
         out = self.peer.send(kind, SERVER, body, src=msg.dst, round=msg.round)
