@@ -37,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default 0: the nodes on the server's broker)")
     p.add_argument("--mode", choices=("sync", "async"), default="sync",
                    help="sync rounds (default) or async FedBuff")
+    p.add_argument("--batch", choices=("off", "auto"), default=None,
+                   help="bus.batch for every seed (default: bus.batch's default)")
     p.add_argument("--algorithm", choices=("noop", "fedproto"), default="noop",
                    help="noop (default) or fedproto (real training on digits, slower)")
     p.add_argument("--plant", default=None, metavar="DEFECT",
@@ -68,7 +70,8 @@ def parse_seeds(text: str) -> range:
 def replay_command(seed: int, args: argparse.Namespace) -> str:
     extra = "".join(f" --{k} {getattr(args, k)}" for k, d in
                     (("faults", 3), ("rounds", 6), ("clients", 4), ("nodes", 2),
-                     ("relays", 0), ("mode", "sync"), ("plant", None), ("algorithm", "noop")) if getattr(args, k) != d)
+                     ("relays", 0), ("mode", "sync"), ("batch", None), ("plant", None),
+                     ("algorithm", "noop")) if getattr(args, k) != d)
     return f"fedbus bench sim --seeds {seed}-{seed}{extra} --trace"
 
 
@@ -77,7 +80,7 @@ def run_seed(seed: int, args: argparse.Namespace, say=None):
 
     world = World(seed, faults=args.faults, rounds=args.rounds, clients=args.clients,
                   nodes=args.nodes, relays=args.relays, algorithm=args.algorithm,
-                  mode=args.mode, record=say)
+                  mode=args.mode, batch=args.batch, record=say)
     try:
         return world.run()
     finally:

@@ -274,7 +274,7 @@ class World:
 
     def __init__(self, seed: int, *, faults: int = 3, rounds: int = 6, clients: int = 4,
                  nodes: int = 2, relays: int = 0, algorithm: str = "noop",
-                 mode: str = "sync",
+                 mode: str = "sync", batch: str | None = None,
                  workdir: Path | None = None,
                  horizon_s: float = 900.0, record: Callable[[str], None] | None = None):
         from fedbus.node.config import build_config
@@ -286,6 +286,8 @@ class World:
         self.mode = mode
         self.raw_cfg = sim_config(seed, clients=clients, rounds=rounds, algorithm=algorithm,
                                   mode=mode)
+        if batch is not None:  # else bus.batch's default, as a user's run gets it
+            self.raw_cfg["bus"]["batch"] = batch
         self.cfg = build_config(self.raw_cfg)
         self.run_id = f"sim{seed:08x}"
         if workdir is None and Path("/dev/shm").is_dir():
@@ -451,9 +453,12 @@ class World:
 
         if self.brokers.get(name) is not None:
             self.brokers[name].close()
+        # a restarted broker reads the ended runs its predecessor kept (as `fedbus broker
+        # --ended-runs FILE` restarted on the same file)
         b = Broker(f"inproc://fedbus-sim-{id(self)}-{name}-{self.clock.t}",
                    heartbeat_s=HEARTBEAT_S, liveness=LIVENESS,
-                   grace_s=4 * HEARTBEAT_S * LIVENESS)
+                   grace_s=4 * HEARTBEAT_S * LIVENESS,
+                   ended_file=self.tmp / f"ended-runs-{name}.bin")
         b.inc = self.new_inc()
         b._send = BrokerTap(self, name, b).send
         b._croute = None

@@ -41,10 +41,12 @@ from __future__ import annotations
 import errno
 import hashlib
 import logging
+import os
 import random
 import time
 from collections import deque
 from collections.abc import Iterable
+from pathlib import Path
 
 import msgpack
 import zmq
@@ -272,6 +274,63 @@ class _RegisterStop(Exception):
     """A register body holds a container other than its one map and one list."""
 
 
+class EndedRuns:
+    """The file a broker keeps its ended runs' shutdowns in (Broker._ended), written
+    whole on each run's end (a temporary file, fsync, rename) and read when a broker
+    starts: a broker killed after a run ended, and restarted on the same file, still sends
+    a node that was away at the end (stopped, cut off) the shutdown it missed, where it
+    would otherwise wait for a finished run for ever. msgpack: {"v": 1, "ended":
+    [[run, header, body], ...]}, oldest first. A file that cannot be read is moved aside
+    (FILE.damaged), said, and the broker starts with none."""
+
+    VERSION = 1
+
+    def __init__(self, path: str | Path, log):
+        self.path = Path(path)
+        self.log = log
+
+    def load(self) -> dict[str, tuple[bytes, bytes]]:
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return {}
+        try:
+            doc = msgpack.unpackb(raw, raw=False)
+            if not isinstance(doc, dict) or doc.get("v") != self.VERSION:
+                raise ValueError(f"not a version-{self.VERSION} ended-runs file")
+            ended = {}
+            for item in doc["ended"][-ENDED_RUNS:]:
+                run, hdr, body = item
+                if not (isinstance(run, str) and isinstance(hdr, bytes) and
+                        isinstance(body, bytes)):
+                    raise ValueError("an entry is not [run, header, body]")
+                ended[run] = (hdr, body)
+        except (ValueError, TypeError, KeyError, msgpack.UnpackException) as err:
+            aside = self.path.with_name(self.path.name + ".damaged")
+            os.replace(self.path, aside)
+            self.log.error("ended-runs file damaged: moved aside, starting with none",
+                           path=str(self.path), moved_to=str(aside), error=str(err))
+            return {}
+        self.log.info("ended runs read", path=str(self.path), runs=len(ended))
+        return ended
+
+    def save(self, ended: dict[str, tuple[bytes, bytes]]) -> None:
+        data = msgpack.packb({"v": self.VERSION,
+                              "ended": [[run, h, b] for run, (h, b) in ended.items()]},
+                             use_bin_type=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except OSError as err:  # a full disk: the run's shutdown still goes out
+            self.log.error("ended-runs file not written: a node away now and a broker "
+                           "restarted before it is back would miss its shutdown",
+                           path=str(self.path), error=str(err))
+
+
 class Broker:
     """The message broker. ``Broker(bind).run()`` blocks until ``stop()`` / stop_event.
 
@@ -285,6 +344,9 @@ class Broker:
         None = plaintext. See PROTOCOL.md §10.
     limits: a Limits (rate limits per node and registrations per key, PROTOCOL.md §11);
         None = the defaults.
+    ended_file: where the shutdowns of ended runs are kept (EndedRuns), so that a broker
+        restarted on the same file still sends a node coming back after its run ended the
+        shutdown it missed; None = in memory only (lost with the process).
     """
 
     def __init__(
@@ -299,6 +361,7 @@ class Broker:
         max_pending: int = 10_000,
         max_pending_bytes: int = 256 * 1024 * 1024,
         limits: Limits | None = None,
+        ended_file: str | Path | None = None,
     ):
         if heartbeat_s <= 0 or liveness < 1:
             raise ValueError("heartbeat_s must be > 0 and liveness >= 1")
@@ -376,7 +439,9 @@ class Broker:
         # run -> (header, body) of its server's shutdown broadcast: a client node of that run
         # that registers afterwards (stopped or cut off past the end) is sent it then, or it
         # would wait for a finished run forever. The newest ENDED_RUNS runs are kept.
-        self._ended: dict[str, tuple[bytes, bytes]] = {}
+        self._ended_file = EndedRuns(ended_file, self.log) if ended_file is not None else None
+        self._ended: dict[str, tuple[bytes, bytes]] = \
+            self._ended_file.load() if self._ended_file is not None else {}
         # run -> (name, inc) of the client nodes registered while its server was: one of
         # them registering again with no run (never configured: its config was lost, say)
         # after the run ended is the same process, and is sent the shutdown too; a new
@@ -707,6 +772,8 @@ class Broker:
             if len(self._ended) >= ENDED_RUNS:
                 del self._ended[next(iter(self._ended))]
             self._ended[run] = (bytes(hdr), bytes(_buf(body)))
+            if self._ended_file is not None:
+                self._ended_file.save(self._ended)
         if not self.client_nodes:
             self.refuse(node, kind, src, BROADCAST, seq, "unroutable",
                         "broadcast with no client node registered")

@@ -39,6 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grace-s", type=float, default=None,
                         help="after start, hold messages for not-yet-registered addresses this "
                              "long (default max(10, 4 x heartbeat x liveness))")
+    parser.add_argument("--ended-runs", default=None, metavar="FILE",
+                        help="keep the shutdowns of ended runs in FILE (written at each run's "
+                             "end, read at start): a broker restarted on it still sends a node "
+                             "that was away when its run ended the shutdown it missed "
+                             "(default: in memory only)")
     parser.add_argument("--curve", action="store_true",
                         help="require CurveZMQ on every endpoint (default: on when an endpoint "
                              "is not loopback/ipc)")
@@ -125,7 +130,8 @@ def main(args: argparse.Namespace) -> int:
         return 2
     try:
         broker = Broker(binds, heartbeat_s=args.heartbeat_s, liveness=args.liveness,
-                        max_frame=max_frame, grace_s=args.grace_s, curve=curve, limits=limits)
+                        max_frame=max_frame, grace_s=args.grace_s, curve=curve, limits=limits,
+                        ended_file=args.ended_runs)
     except Exception as e:  # a bad endpoint, a port in use, ...
         log.error("broker failed to start", endpoints=binds, error=f"{type(e).__name__}: {e}")
         return 1

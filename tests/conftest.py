@@ -123,7 +123,8 @@ class BrokerProc:
 
     def __init__(self, endpoint: str, workdir: Path, *, heartbeat_s: float = 1.0,
                  liveness: int = 3, log_level: str = "info", max_frame_mb: float | None = None,
-                 grace_s: float | None = None, fast_path: bool | None = None):
+                 grace_s: float | None = None, fast_path: bool | None = None,
+                 ended_runs: Path | None = None):
         self.endpoint = endpoint
         # None: as a user gets it (C where built); False: the Python loop (fastroute.py)
         self.env = None if fast_path is None else \
@@ -137,6 +138,8 @@ class BrokerProc:
             self.args += ["--max-frame-mb", str(max_frame_mb)]
         if grace_s is not None:
             self.args += ["--grace-s", str(grace_s)]
+        if ended_runs is not None:
+            self.args += ["--ended-runs", str(ended_runs)]
         self.proc: subprocess.Popen | zygote.ForkedFedbus | None = None
         self.starts = 0
 

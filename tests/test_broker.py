@@ -822,3 +822,43 @@ def test_a_relay_re_registering_as_its_nodes_join_is_not_starved(tcp_endpoint, b
     finally:
         relay.close()
         server.close()
+
+
+def test_a_broker_restarted_on_its_ended_runs_file_still_tells_a_late_node(
+        tcp_endpoint, broker_proc, tmp_path):
+    """`fedbus broker --ended-runs FILE`: the shutdown of a run kept in the file survives
+    a SIGKILL; the restarted broker sends it to a node of that run registering afterwards
+    (one away when the run ended), where a broker without the file has nothing to send."""
+    ended = tmp_path / "ended-runs.bin"
+    broker = broker_proc(tcp_endpoint, heartbeat_s=0.2, ended_runs=ended)
+    server = Peer(tcp_endpoint, "server", role="server", heartbeat_s=0.2, run="run-a")
+    server.start(60)
+    try:
+        server.send("shutdown", "*", {"reason": "run complete"})
+        wait_for(ended.exists, 30, message="the ended-runs file written")
+    finally:
+        server.close(0)
+    broker.kill()
+    broker.start()
+    assert broker.events("ended runs read", runs=1)
+    late = Peer(tcp_endpoint, "late", role="client", addresses=["c0"], heartbeat_s=0.2,
+                run="run-a")
+    late.start(60)
+    try:
+        m = recv_until(late, lambda m: m.kind == "shutdown")
+        assert m.body == {"reason": "run complete"} and m.run == "run-a"
+    finally:
+        late.close(0)
+    assert broker.events("shutdown sent to a node registering after its run ended",
+                         node="late", run="run-a")
+
+
+def test_a_damaged_ended_runs_file_is_moved_aside_and_said(tcp_endpoint, broker_proc,
+                                                          tmp_path):
+    ended = tmp_path / "ended-runs.bin"
+    ended.write_bytes(b"\x93not msgpack of ours")
+    broker = broker_proc(tcp_endpoint, ended_runs=ended)
+    [said] = broker.events("ended-runs file damaged: moved aside, starting with none")
+    assert said["level"] == "error" and said["path"] == str(ended)
+    assert not ended.exists()
+    assert (tmp_path / "ended-runs.bin.damaged").read_bytes() == b"\x93not msgpack of ours"
