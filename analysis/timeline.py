@@ -48,7 +48,8 @@ FATES: dict[str, tuple[str, str]] = {
 FAILURE_FATE = {"late": "late", "timed_out": "timed_out", "dropped": "dropped",
                 "dead": "dead", "rejected": "refused", "error": "refused", "secagg": "refused"}
 # the message kinds whose bodies the timeline reads (the rest need the index line only)
-BODY_KINDS = frozenset({"task", "update", "merged", "join", "leave", "error"})
+BODY_KINDS = frozenset({"task", "update", "merged", "join", "leave", "error", "tasks",
+                        "updates"})
 
 
 class NoMessageLog(FileNotFoundError):
@@ -369,10 +370,36 @@ def read_messages(run: Path) -> list[Logged]:
                     except WireError as err:
                         raise LogCorrupt(f"{reader.path}: record {e.get('i')} at offset "
                                          f"{e['off']}: body does not decode: {err}") from None
-            out.append(Logged(float(e["t"]), str(e.get("dir", "")), str(e.get("kind", "")),
-                              str(e.get("src", "")), str(e.get("dst", "")),
-                              int(e.get("round", -1)), int(e.get("bytes", 0)), body))
+            logged = Logged(float(e["t"]), str(e.get("dir", "")), str(e.get("kind", "")),
+                            str(e.get("src", "")), str(e.get("dst", "")),
+                            int(e.get("round", -1)), int(e.get("bytes", 0)), body)
+            out += _members(logged) if logged.kind in ("tasks", "updates") else [logged]
     return out
+
+
+def _members(m: Logged) -> list[Logged]:
+    """A `tasks` or `updates` batch (bus.batch, PROTOCOL.md §4.3) as the `task` or `update`
+    messages its members stand for, at its time, each with an equal share of its bytes: the
+    timeline draws a bar per task whichever way the tasks travelled. A batch whose body
+    does not decode as one is kept as it is (nothing is drawn for it)."""
+    from fedbus.node.engine import unbatch_tasks
+
+    try:
+        if m.kind == "tasks":
+            members = unbatch_tasks(m.body)
+        else:
+            members = [(x["from"], {k: v for k, v in x.items() if k != "from"})
+                       for x in m.body["members"]]
+    except (ValueError, TypeError, KeyError):
+        return [m]
+    if not members:
+        return [m]
+    share = m.nbytes // len(members)
+    if m.kind == "tasks":
+        return [Logged(m.time, m.direction, "task", m.src, to, m.round, share, body)
+                for to, body in members]
+    return [Logged(m.time, m.direction, "update", frm, m.dst, m.round, share, body)
+            for frm, body in members]
 
 
 def load_timeline(run: str | Path) -> Timeline:

@@ -41,6 +41,13 @@ def sync_run(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def batched_run(tmp_path_factory) -> Path:
+    cfg = merged(SYNC, bus={"batch": "auto"})
+    run, _ = run_federation(tmp_path_factory.mktemp("timeline"), cfg, name="batched")
+    return run
+
+
+@pytest.fixture(scope="module")
 def async_run(tmp_path_factory) -> Path:
     run, _ = run_federation(tmp_path_factory.mktemp("timeline"), ASYNC, name="async")
     return run
@@ -59,6 +66,20 @@ def logged_tasks(run: Path) -> list[tuple[int, int]]:
 
 def fresh(rec: dict) -> Counter:
     return Counter(rec["participants"]) - Counter(s[0] for s in rec["stale"])
+
+
+def test_a_batched_run_draws_a_bar_per_task_with_the_same_fates(sync_run, batched_run):
+    """bus.batch = auto: a round's tasks leave a node as one `tasks` message and come back
+    as `updates`; the timeline reads their members, so the bars (and their fates, which
+    the events decide: the drop, the held update) are the unbatched run's."""
+    index = [json.loads(x) for x in (batched_run / "messages.jsonl").read_text().splitlines()]
+    assert {"tasks", "updates"} <= {e["kind"] for e in index}
+    assert not any(e["kind"] == "task" for e in index)
+    tl, plain = load_timeline(batched_run), load_timeline(sync_run)
+    assert len(tl.bars) == len(plain.bars) == 5 * 3
+    fates = Counter((b.client, b.round, b.fate) for b in tl.bars)
+    assert fates == Counter((b.client, b.round, b.fate) for b in plain.bars)
+    assert [a.version for a in tl.aggregations] == [1, 2, 3]
 
 
 def test_sync_one_bar_per_task_with_the_records_fates(sync_run):
