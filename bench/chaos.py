@@ -98,6 +98,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=("sync", "async"), default="sync")
     p.add_argument("--relay", action="store_true", help="each node below its own relay")
     p.add_argument("--algorithm", choices=("fedproto", "fedavg"), default="fedproto")
+    p.add_argument("--batch", choices=("off", "auto"), default=None,
+                   help="bus.batch of the federations (default: bus.batch's default)")
     p.add_argument("--faults", type=int, default=0,
                    help="faults in the schedule (default: one per 12 rounds, at least 5)")
     p.add_argument("--clients", type=int, default=4)
@@ -385,7 +387,8 @@ def federation_config(args: argparse.Namespace, rounds: int, mode: str, algorith
         "train": {"epochs": 1, "batch_size": 16, "lr": 0.05},
         "system": {"slow_clients": list(range(args.clients)),
                    "slow_factor": float(args.slow_factor)},
-        "bus": {"heartbeat_s": HEARTBEAT_S, "liveness": LIVENESS},
+        "bus": {"heartbeat_s": HEARTBEAT_S, "liveness": LIVENESS,
+                **({} if getattr(args, "batch", None) is None else {"batch": args.batch})},
         "launch": {"nodes": args.nodes, "threads": 1},
         "log": {"level": "info"},
     }
@@ -670,7 +673,7 @@ def read_history(run: Path) -> tuple[list[dict], list[Violation]]:
 
     from fedbus.analysis.replay import _compare, _decode, load_run, take_refused
     from fedbus.broker.wire import DEFAULT_MAX_FRAME, decode_body
-    from fedbus.node.engine import count_params
+    from fedbus.node.engine import out_params
     from fedbus.node.server import build_engine, judge, take
     from fedbus.record.msglog import read_log
 
@@ -706,8 +709,8 @@ def read_history(run: Path) -> tuple[list[dict], list[Violation]]:
                 problems.append(Violation("replay", f"replay diverged: {div}", [div.round],
                                           [div.index]))
                 return history, problems
-            if out.kind in ("task", "eval", "secagg"):
-                engine.note_sent(out, rec.nbytes, count_params(out.body.get("payload")))
+            if out.kind in ("task", "tasks", "eval", "secagg"):  # as ServerNode._send
+                engine.note_sent(out, rec.nbytes, out_params(out))
             continue
         if pending and rec.direction != "resume":
             problems.append(Violation("replay", f"replay sent {pending[0].kind} to "
@@ -769,6 +772,21 @@ def taken_entries(engine: Any, msg: Any, index: int) -> list[dict]:
         return [{"op": "accept", "i": index, "client": client, "round": task.round,
                  "version": task.version, "task": task.id, "inc": msg.inc,
                  "node": engine.host.get(client), "src": msg.src}]
+    if msg.kind == "updates":  # a node's batch (bus.batch): each member it hosts, judged
+        from fedbus.node.server import batch_members, judge
+
+        hosted = set(engine.nodes.get(msg.src, ()))
+        out = []
+        for m in batch_members(msg):
+            try:
+                client = client_index(m.src)
+            except ValueError:
+                continue
+            if client in hosted and judge(engine, m) is None:
+                out += taken_entries(engine, m, index)
+        for e in out:
+            e["inc"], e["node"] = msg.inc, msg.src
+        return out
     if msg.kind == "merged":  # a relay's: each member taken
         out = []
         for address, tid, _n, _w in msg.body["members"]:

@@ -54,9 +54,11 @@ HEARTBEAT_S, LIVENESS = 1.0, 3
 SNDMORE = zmq.SNDMORE
 # kinds a lossy link may drop or a resending peer duplicate (the rest ride on connection
 # state: a lost join or shutdown is a lost connection, which the link cut models)
-LOSSY = frozenset({"task", "update", "eval", "eval_result", "config", "ack", "heartbeat",
-                   "flush", "flushed"})
-DUPLICABLE = frozenset({"task", "update", "eval", "eval_result", "config", "flush", "flushed"})
+# (`tasks` and `updates`, bus.batch's batches, ride the same reliability as their members)
+LOSSY = frozenset({"task", "update", "tasks", "updates", "eval", "eval_result", "config",
+                   "ack", "heartbeat", "flush", "flushed"})
+DUPLICABLE = frozenset({"task", "update", "tasks", "updates", "eval", "eval_result", "config",
+                        "flush", "flushed"})
 FAULT_KINDS = ("node_kill", "node_stop", "link_cut", "server_kill", "server_kill_at_checkpoint",
                "broker_kill")
 

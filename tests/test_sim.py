@@ -73,6 +73,15 @@ def test_relay_seeds_run_clean():
     assert "relay_kill" in kinds
 
 
+def test_batched_seeds_run_clean():
+    """bus.batch = auto: a round's tasks one `tasks` message a node, its answers one
+    `updates`; the network drops, duplicates and reorders those frames as any other."""
+    for seed in range(30):
+        res = run(seed, batch="auto")
+        assert not res.violations, (seed, problems(res))
+        assert res.rounds_done == 6, seed
+
+
 def test_async_seeds_run_clean():
     for seed in range(20):
         res = run(seed, mode="async")
@@ -174,6 +183,13 @@ def test_planted_duplicate_aggregation_is_caught():
     aggregation twice."""
     with planted("duplicate"):
         assert_caught_and_replayed(range(40), "once")
+
+
+def test_planted_duplicate_aggregation_is_caught_in_batches_too():
+    """The same defect with batching: a duplicated `updates` frame's members reach the
+    aggregation twice (before the simulated network duplicated batches, it went unseen)."""
+    with planted("duplicate"):
+        assert_caught_and_replayed(range(40), "once", batch="auto")
 
 
 def test_duplicates_past_the_runtime_still_aggregate_once():
