@@ -272,6 +272,7 @@ class ClientPool:
         self.data = federated_data(cfg)
         hosted = list(range(self.data.num_clients)) if clients is None else list(clients)
         self.node_data = NodeData(self.data, hosted, device)
+        self._size_balance: float | None = None
         self.models = ModelStore(cfg, self.data, device)
         self.build_arch = self.models.builder()
         self.archs = distinct_archs(cfg)
@@ -371,9 +372,15 @@ class ClientPool:
     @property
     def size_balance(self) -> float:
         """Mean over max of the hosted clients' training-set sizes (1 = equal sizes): how much
-        of a cohort's vectorised steps do work (train.cohort = auto on the CPU)."""
-        sizes = [b - a for a, b, _, _ in self.node_data.spans.values()]
-        return sum(sizes) / len(sizes) / max(sizes) if sizes and max(sizes) else 1.0
+        of a cohort's vectorised steps do work (train.cohort = auto on the CPU). Computed
+        once: the hosted partition does not change, and every client build reads it (a
+        pass over 12,500 hosted clients at each build was 14 % of a node's time in the
+        100,000-client bench)."""
+        if self._size_balance is None:
+            sizes = [b - a for a, b, _, _ in self.node_data.spans.values()]
+            self._size_balance = sum(sizes) / len(sizes) / max(sizes) \
+                if sizes and max(sizes) else 1.0
+        return self._size_balance
 
     def release(self) -> None:
         """Unpin every client (a cohort is done) and evict what no longer fits."""
