@@ -84,7 +84,9 @@ def load_index(run: Path) -> list[dict]:
 def select(entries: list[dict], *, round_: int | None, client: int | None,
            kinds: list[str] | None, batches: Summaries | None = None) -> list[dict]:
     """The entries asked for. With `client`, those it sent or was sent, and (given
-    `batches`, which reads bodies) the batches holding a member of it."""
+    `batches`, which reads bodies) the batches holding a member of it. A kind `task` or
+    `update` also takes the `tasks` or `updates` batches (bus.batch), whose members are
+    that kind's messages."""
     address = None if client is None else f"c{client}"
     picked = []
     for e in entries:
@@ -94,8 +96,9 @@ def select(entries: list[dict], *, round_: int | None, client: int | None,
                 batches is not None and e.get("kind") in BATCHES and e.get("dir") != "refused"
                 and batches.of(e, client) is not None):
             continue
-        if kinds and e.get("kind") not in kinds:
-            continue
+        if kinds and e.get("kind") not in kinds and not (
+                e.get("kind") in BATCHES and BATCHES[e["kind"]][1] in kinds):
+            continue  # (--kind task takes the tasks batches too, update the updates ones)
         picked.append(e)
     return picked
 

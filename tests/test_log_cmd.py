@@ -313,5 +313,12 @@ def test_a_batch_is_one_line_naming_its_members_and_client_finds_its_member(batc
             assert m["summary"]["batch"] == len(body["members"])
     shown = log(batched_run, "--client", "2").stdout
     assert "in the batch) task " in shown, shown
+    # --kind task (update) takes the tasks (updates) batches: their members are tasks
+    as_task = [m for m in json_lines(batched_run, "--kind", "task", "--client", "2")
+               if "kind" in m]
+    assert [m["i"] for m in as_task] == [m["i"] for m in held if m["kind"] == "tasks"]
+    assert all(m["summary"]["task"] is not None for m in as_task)
+    as_update = [m["i"] for m in json_lines(batched_run, "--kind", "update") if "kind" in m]
+    assert as_update == [m["i"] for m in batches if m["kind"] == "updates"]
     outcomes = [m["outcome"] for m in lines if "outcome" in m]
     assert outcomes and all(o["sampled"] == [0, 1, 2, 3] for o in outcomes), outcomes
