@@ -67,15 +67,22 @@ class Loopback:
         return self.inbox.popleft() if self.inbox else None
 
 
-@pytest.fixture
-def federation(monkeypatch):
-    cfg = _config()
+def _wired(cfg):
+    """A real engine and a real node of all CLIENTS, joined and configured, wired in
+    process by a Loopback: (engine, node, loop)."""
     engine = build_engine(cfg, RUN)
     engine.on_join("n", [client_address(c) for c in range(CLIENTS)], 0.0)
     loop = Loopback(engine)
     node = ClientNode("inproc://none", list(range(CLIENTS)), name="n", threads=1)
     node._build(RUN, cfg)
     node.peer = loop
+    loop.deliver(engine.on_configured("n", RUN, 0.0))
+    return engine, node, loop
+
+
+@pytest.fixture
+def federation(monkeypatch):
+    engine, node, loop = _wired(_config())
     real = client_host.run_task
 
     def observed(handler, body):  # the training itself is the real one
@@ -83,7 +90,6 @@ def federation(monkeypatch):
         return real(handler, body)
 
     monkeypatch.setattr(client_host, "run_task", observed)
-    loop.deliver(engine.on_configured("n", RUN, 0.0))
     return engine, node, loop
 
 
@@ -125,8 +131,7 @@ def test_every_key_leaves_before_the_first_training_and_shares_before_the_last(f
     assert "failed" not in record["secagg"]
 
 
-def test_the_secure_rounds_equal_the_plain_ones_within_the_quantisation_bound(federation,
-                                                                             monkeypatch):
+def test_the_secure_rounds_equal_the_plain_ones_within_the_quantisation_bound(federation):
     """The reordering changes nothing the server computes: two rounds through the node,
     secure, against the same two rounds plain (the same seeds, the same trainings)."""
     engine, node, loop = federation
@@ -135,14 +140,7 @@ def test_the_secure_rounds_equal_the_plain_ones_within_the_quantisation_bound(fe
     secure = np.asarray(engine.handler.state_dict()["protos"], dtype=np.float64)
     bound = engine.records[-1]["secagg"]["quant_bound"]
 
-    cfg = _config(secure=False)
-    plain = build_engine(cfg, RUN)
-    plain.on_join("n", [client_address(c) for c in range(CLIENTS)], 0.0)
-    ploop = Loopback(plain)
-    pnode = ClientNode("inproc://none", list(range(CLIENTS)), name="n", threads=1)
-    pnode._build(RUN, cfg)
-    pnode.peer = ploop
-    ploop.deliver(plain.on_configured("n", RUN, 0.0))
+    plain, pnode, ploop = _wired(_config(secure=False))
     for _ in range(2):
         _one_round(pnode, ploop)
     expected = np.asarray(plain.handler.state_dict()["protos"], dtype=np.float64)
