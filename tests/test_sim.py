@@ -132,12 +132,14 @@ def test_a_node_below_a_relay_that_missed_the_shutdown_is_told_by_its_site_broke
 
 
 def test_a_node_away_at_the_end_is_told_by_a_broker_restarted_after_the_shutdown():
-    """Seed 270 of 9 clients on 3 nodes, batched: node n1 is stopped across the run's
-    end, and the broker is killed after the server's shutdown went out and the server left,
+    """Seed 188 of 9 clients on 3 nodes, batched: node n1 is stopped across the run's end
+    and the broker is killed after the server's shutdown went out and the server left,
     before n1 is back. The restarted broker reads the shutdown its predecessor kept in its
-    ended-runs file (`fedbus broker --ended-runs`) and sends it as n1 registers; before that
-    file, n1 waited for the finished run for ever (a completion violation)."""
-    res, world = run_world(270, clients=9, nodes=3, batch="auto")
+    ended-runs file (`fedbus broker --ended-runs`) and sends it as n1 registers; without
+    that file n1 waited for the finished run for ever (a completion violation: found as
+    seed 270 before batches were lossy in the simulation, this seed since, the only one
+    of 0-1199 in this setting)."""
+    res, world = run_world(188, clients=9, nodes=3, batch="auto")
     assert not res.violations, problems(res)
     assert {f.kind for f in res.faults if f.fired_at >= 0} >= {"node_stop", "broker_kill"}
     assert world.brokers["broker"].n_ended_sent >= 1  # the restarted one
