@@ -68,6 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--evict-to", choices=["memory", "disk"], default=None)
     p.add_argument("--message-log", action="store_true",
                    help="keep the server's message log on (off: measure the bus alone)")
+    p.add_argument("--eval-clients", type=int, default=0, metavar="N",
+                   help="federation.eval_clients: the final evaluation asks N clients drawn "
+                   "from the seed (default 0: every client)")
     p.add_argument("--batch", choices=["off", "auto"], default="off",
                    help="bus.batch: auto sends a round's tasks to a node as one message "
                    "(PROTOCOL.md §4.3)")
@@ -112,6 +115,7 @@ def config(args: argparse.Namespace, dataset: str = "digits") -> dict:
     return {
         "federation": {"clients": args.clients, "rounds": args.rounds,
                        "fraction": args.fraction, "eval_every": args.rounds, "seed": 0,
+                       "eval_clients": getattr(args, "eval_clients", 0),
                        "start_timeout_s": 600.0},
         "data": {"dataset": dataset, "partition": "iid", "test_fraction": 0.25},
         "model": {"arch": "mlp"},

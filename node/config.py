@@ -58,6 +58,9 @@ SCHEMA: dict[str, dict[str, Opt]] = {
         "buffer": Opt(0, "async: aggregate every this many updates (0 = concurrency)", min=0),
         "max_staleness": Opt(20, "updates staler than this are dropped", min=0),
         "eval_every": Opt(1, "evaluate on every client every this many rounds", min=1),
+        "eval_clients": Opt(0, "evaluate this many live clients, drawn anew at each "
+                            "evaluation from the seed (0 = every live client): a federation "
+                            "of 100,000 clients need not build every one to score it", min=0),
         "target_acc": Opt(0.0, "report the first round reaching this mean accuracy (0 = off)",
                           min=0.0, max=1.0),
         "seed": Opt(0, "seed of partitions, sampling, initialisation and training"),

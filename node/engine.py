@@ -1335,16 +1335,20 @@ class Engine:
         # next round back until it finished; it is evaluated another round, and the record
         # names it (a dropped task's client is free: Task.drops).
         busy = () if self.async_mode else self.busy
-        targets = sorted(c for c in self.live if c not in busy)
-        missing = {c: "busy" for c in sorted(self.live) if c in busy}
+        live = sorted(self.live)
+        drawn = self._eval_sample(live)
+        targets = [c for c in drawn if c not in busy]
+        missing = {c: "busy" for c in drawn if c in busy}
         eid = self.next_eval_id
         self.next_eval_id += 1
         wait = self.fed.deadline_s * 2 if self.fed.deadline_s > 0 else self.fed.hard_deadline_s
         final = self.version >= self.rounds
         for metric in self.eval_metrics:
             record.update(metric(self.handler, record))
+        if len(drawn) < len(live):  # federation.eval_clients: a sample of the live ones
+            record["eval_sample_of"] = len(live)
         ev = EvalState(self.version, record["round"], now, now + wait, set(targets),
-                       record=record, live=len(self.live), missing=missing)
+                       record=record, live=len(drawn), missing=missing)
         self.evals[eid] = ev
         info = RoundInfo(self.version - 1, self.rounds)
         out = []
@@ -1360,6 +1364,18 @@ class Engine:
         if not targets:
             out += self._finish_eval(eid, now)
         return out
+
+    def _eval_sample(self, live: list[int]) -> list[int]:
+        """The live clients an evaluation asks: all of them, or federation.eval_clients of
+        them drawn without replacement from (seed, version), so a replay and a resumed
+        server draw the same ones; the record's eval_live then counts the sample and
+        eval_sample_of the live clients it was drawn from."""
+        n = int(self.fed.get("eval_clients", 0) or 0)
+        if not n or len(live) <= n:
+            return live
+        rng = np.random.default_rng(np.random.SeedSequence([self.fed.seed, 0xE7A1,
+                                                            self.version]))
+        return sorted(int(c) for c in rng.choice(live, size=n, replace=False))
 
     def on_eval_result(self, src: str, body: dict[str, Any], now: float) -> list[Out]:
         eid = body.get("eval")

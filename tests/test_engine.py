@@ -694,3 +694,37 @@ def test_next_deadline_in_async_is_the_earliest_task_deadline_which_times_it_out
     rec = engine.records[-1]
     assert engine.version == 1 and rec["failures"] == {str(late): "timed_out"}
     assert rec["late"] == 0 and rec["failed"] == 1
+
+
+# --- evaluating a sample of the clients (federation.eval_clients) ---------------------
+
+
+def test_an_evaluation_asks_a_seeded_sample_when_eval_clients_is_set():
+    """federation.eval_clients = 5 of 20: each evaluation asks 5 distinct live clients,
+    the same 5 for the same seed and version (a replay, a resumed server), drawn anew at
+    the next version; the record counts the sample (eval_live) and what it was drawn from
+    (eval_sample_of), so eval_clients = eval_live - len(eval_missing) still holds."""
+    def first_eval(seed):
+        engine, tasks = started(20, eval_clients=5, seed=seed)
+        return engine, of(answer(engine, of(tasks), 1.0), "eval")
+
+    engine, evals = first_eval(3)
+    asked = sorted(client(e) for e in evals)
+    assert len(asked) == len(set(asked)) == 5
+    assert asked == sorted(client(e) for e in first_eval(3)[1])  # same seed, same sample
+    assert any(sorted(client(e) for e in first_eval(s)[1]) != asked for s in (4, 5, 6))
+    outs = eval_results(engine, evals, 2.0)
+    rec = engine.records[-1]
+    assert rec["eval_clients"] == rec["eval_live"] == 5 and rec["eval_sample_of"] == 20
+    assert rec["eval_missing"] == {}
+    later = of(answer(engine, of(outs), 3.0), "eval")  # version 2's evaluation
+    assert len(later) == 5 and sorted(client(e) for e in later) != asked
+
+
+def test_without_eval_clients_every_live_client_is_evaluated():
+    engine, tasks = started(20)
+    evals = of(answer(engine, of(tasks), 1.0), "eval")
+    assert sorted(client(e) for e in evals) == list(range(20))
+    eval_results(engine, evals, 2.0)
+    assert engine.records[-1]["eval_live"] == 20
+    assert "eval_sample_of" not in engine.records[-1]
