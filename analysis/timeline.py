@@ -382,14 +382,10 @@ def _members(m: Logged) -> list[Logged]:
     messages its members stand for, at its time, each with an equal share of its bytes: the
     timeline draws a bar per task whichever way the tasks travelled. A batch whose body
     does not decode as one is kept as it is (nothing is drawn for it)."""
-    from fedbus.node.engine import unbatch_tasks
+    from fedbus.node.engine import unbatch_tasks, unbatch_updates
 
     try:
-        if m.kind == "tasks":
-            members = unbatch_tasks(m.body)
-        else:
-            members = [(x["from"], {k: v for k, v in x.items() if k != "from"})
-                       for x in m.body["members"]]
+        members = (unbatch_tasks if m.kind == "tasks" else unbatch_updates)(m.body)
     except (ValueError, TypeError, KeyError):
         return [m]
     if not members:

@@ -333,16 +333,9 @@ BATCHES = {"tasks": ("to", "task"), "updates": ("from", "update")}
 def batch_members(kind: str, body: Any) -> list[tuple[str, dict[str, Any]]]:
     """A `tasks` or `updates` body's members as (client address, the body of the `task` or
     `update` it stands for), in order. ValueError names what is malformed."""
-    if kind == "tasks":
-        from fedbus.node.engine import unbatch_tasks
+    from fedbus.node.engine import unbatch_tasks, unbatch_updates
 
-        return unbatch_tasks(body)
-    members = body.get("members") if isinstance(body, Mapping) else None
-    if not isinstance(members, list) or not all(
-            isinstance(m, Mapping) and isinstance(m.get("from"), str) for m in members):
-        raise ValueError("an updates body must be a map with a list members, each naming "
-                         "its client in 'from'")
-    return [(m["from"], {k: v for k, v in m.items() if k != "from"}) for m in members]
+    return unbatch_tasks(body) if kind == "tasks" else unbatch_updates(body)
 
 
 def batch_summary(kind: str, body: Any) -> dict[str, Any]:

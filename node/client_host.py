@@ -389,10 +389,7 @@ class ClientNode:
         for msg in admitted:
             self._answer_secure_steps()
             try:
-                started = time.monotonic()
-                handler = self._handler(msg)
-                update, took = run_task(handler, msg.body)
-                self._finish(msg, handler, update, started + took)
+                self._train(msg)
             except Exception as err:  # noqa: BLE001 (_task_failed logs it)
                 self._task_failed(msg, err)
         self._answer_secure_steps()
@@ -472,8 +469,11 @@ class ClientNode:
             self.writer.barrier(round_, durable, flushed)
 
     def on_task(self, msg: Message) -> None:
-        if not self._admit(msg):
-            return
+        if self._admit(msg):
+            self._train(msg)
+
+    def _train(self, msg: Message) -> None:
+        """An admitted task trained alone and finished (its update sent, held or deferred)."""
         started = time.monotonic()
         handler = self._handler(msg)
         update, took = run_task(handler, msg.body)

@@ -24,7 +24,7 @@ import heapq
 import json
 import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace as dc_replace
 from typing import Any
 
@@ -1506,6 +1506,18 @@ def unbatch_tasks(body: Any) -> list[tuple[str, dict[str, Any]]]:
         task["payload"] = _own_containers(payloads[ref])
         out.append((m["to"], task))
     return out
+
+
+def unbatch_updates(body: Any) -> list[tuple[str, dict[str, Any]]]:
+    """An `updates` body (PROTOCOL.md §4.3) as its members' (client address, update body),
+    in order, each body as the member's own `update` would have carried it. ValueError
+    names what is malformed."""
+    members = body.get("members") if isinstance(body, Mapping) else None
+    if not isinstance(members, list) or not all(
+            isinstance(m, Mapping) and isinstance(m.get("from"), str) for m in members):
+        raise ValueError("an updates body must be a map with a list members, each naming "
+                         "its client in 'from'")
+    return [(m["from"], {k: v for k, v in m.items() if k != "from"}) for m in members]
 
 
 def _own_containers(value: Any) -> Any:
