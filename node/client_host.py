@@ -556,13 +556,17 @@ class ClientNode:
     def _handler(self, msg: Message) -> ClientHandler:
         """The client's handler; on its first message after a restart, with the state it
         saved after its last task of a round before the first round this node was sent
-        (fedbus.node.client_state: the server redoes the rounds from there)."""
+        (fedbus.node.client_state: the server redoes the rounds from there), an
+        evaluation of round r counting as round r + 1."""
         client = client_index(msg.dst)
         handler = self.pool.get(client)
+        # an evaluation of round r scores the state after round r: a resumed server that
+        # re-sends one (its record was pending at the kill) redoes no round before r + 1
+        first = msg.round + 1 if msg.kind == "eval" else msg.round
         if client in self._unrestored:
             self._unrestored.discard(client)
             if self._resume_cutoff is None:
-                self._resume_cutoff = msg.round
+                self._resume_cutoff = first
             saved = self.states.newest_before(client, self._resume_cutoff)
             if saved is not None:
                 try:
@@ -574,7 +578,7 @@ class ClientNode:
                     log.info("client state restored", client=client, after_round=saved,
                              resumed_at=self._resume_cutoff)
         elif self._resume_cutoff is None and self.states is not None:
-            self._resume_cutoff = msg.round
+            self._resume_cutoff = first
         return handler
 
     def send_due(self) -> float:
