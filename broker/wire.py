@@ -492,6 +492,27 @@ def encode_body(obj: Any) -> bytes:
     return b"".join(parts)
 
 
+def body_size(obj: Any) -> int:
+    """len(encode_body(obj)) without building the body: the document once, the data
+    section's size from the arrays' lengths and alignment. A batch's member is charged
+    this, its size as its own message would carry it (PROTOCOL.md §4.3)."""
+    sizes: list[int] = []
+
+    def first(o):
+        a = o if isinstance(o, np.ndarray) else _to_numpy(o)
+        if a is None:
+            return _scalar(o)
+        if a.dtype.fields is not None or a.ndim > MAX_NDIM:
+            a, head = _as_wire_array(a)  # raises the encoder's error
+        sizes.append(a.dtype.itemsize * a.size)
+        return msgpack.ExtType(ARRAY_EXT, bytes(2 + 8 * a.ndim + 8))
+
+    pos = len(_packb(obj, first))
+    for n in sizes:
+        pos = -(-pos // DATA_ALIGN) * DATA_ALIGN + n
+    return pos
+
+
 def _packb(obj, default) -> bytes:
     try:
         return msgpack.packb(obj, default=default, use_bin_type=True, datetime=False)

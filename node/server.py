@@ -26,7 +26,7 @@ from fedbus.algorithms import get_algorithm
 from fedbus.algorithms.core.handlers import ServerContext, ServerHandler, Work
 from fedbus.broker.log import get_logger
 from fedbus.broker.peer import Peer, PeerError
-from fedbus.broker.wire import BROADCAST, BROKER, Message, decode_body, encode_body
+from fedbus.broker.wire import BROADCAST, BROKER, Message, body_size, decode_body, encode_body
 from fedbus.models import describe_group
 from fedbus.node.config import Config, ConfigError
 from fedbus.node.engine import (SERVER, Engine, Out, Refusal, client_address, client_index,
@@ -108,7 +108,8 @@ UPDATE_KINDS = ("update", "updates", "merged")
 @dataclass
 class Member(Message):
     """One member of an `updates` batch (PROTOCOL.md §4.3) as the `update` it stands for:
-    its sender the client address, its size its share of the batch's bytes."""
+    its sender the client address, its size its body's as that `update` would carry it
+    (so a record's bytes do not depend on how a node's answers happened to be batched)."""
 
     size: int = 0
 
@@ -119,11 +120,12 @@ class Member(Message):
 
 def batch_members(msg: Message) -> list[Member]:
     """An accepted `updates` batch's members, in order, each as an `update` message."""
-    members = msg.body["members"]
-    share, extra = divmod(msg.nbytes, len(members))
-    return [Member("update", m["from"], SERVER, {k: v for k, v in m.items() if k != "from"},
-                   run=msg.run, round=msg.round, size=share + (extra if i == 0 else 0))
-            for i, m in enumerate(members)]
+    out = []
+    for m in msg.body["members"]:
+        body = {k: v for k, v in m.items() if k != "from"}
+        out.append(Member("update", m["from"], SERVER, body, run=msg.run, round=msg.round,
+                          size=body_size(body)))
+    return out
 
 
 def _updates_problem(engine: Engine, msg: Message) -> str | None:

@@ -17,6 +17,7 @@ from fedbus.broker.wire import Message, decode_body, encode_body
 from fedbus.node.config import build_config
 from fedbus.node.engine import client_address, out_params, unbatch_tasks
 from fedbus.node.server import build_engine, dispatch, read_checkpoint
+from fedbus.record.msglog import read_log
 from tests.helpers import (
     SLOW,
     SMALL,
@@ -103,6 +104,14 @@ def test_sync_runs_batched_and_unbatched_are_bit_identical(tmp_path, algorithm):
     assert kinds["off"].count("update") == 18 and "updates" not in kinds["off"]
     assert kinds["auto"].count("updates") == 6 and "update" not in kinds["auto"]
     if algorithm == "fedproto":
+        # a member is charged its body's size, which is the unbatched update's body frame
+        # (the same bytes: the training is bit-identical), whatever the batching
+        up: dict[int, int] = {}
+        for rec in read_log(runs["off"]):
+            head = wire.header_fields(rec.frames[0]) if rec.direction == "in" else None
+            if head and head[0] == "update":
+                up[head[4]] = up.get(head[4], 0) + len(rec.frames[1])
+        assert [r["bytes_up"] for r in metrics(runs["auto"])] == [up[r] for r in range(3)]
         # the batched run replays byte for byte (its batches remade by the engine), and a
         # client's update is retrained from its member of a batch
         out = fedbus("replay", str(runs["auto"])).stdout

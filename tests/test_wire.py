@@ -177,6 +177,22 @@ def test_encoding_is_deterministic(v):
     assert wire.encode_body(v) == wire.encode_body(v)
 
 
+@settings(max_examples=200, deadline=None)
+@given(values)
+def test_body_size_is_the_encoded_length(v):
+    """A batch member's charged bytes (PROTOCOL.md §4.3) are its body's, computed without
+    encoding it."""
+    assert wire.body_size(v) == len(wire.encode_body(v))
+
+
+def test_body_size_of_layouts_and_refusals():
+    for v in ({"t": np.arange(12, dtype=">i4").reshape(3, 4).T}, [np.zeros(0), np.float32(1)],
+              {"a": [np.ones((2, 3), np.float16)] * 3, "b": {"c": np.array(True)}}):
+        assert wire.body_size(v) == len(wire.encode_body(v))
+    with pytest.raises(WireError, match="dtype"):
+        wire.body_size({"x": np.zeros(2, dtype=[("a", "<i4")])})
+
+
 def test_dict_order_is_kept():
     a = wire.encode_body({"x": 1, "y": 2})
     b = wire.encode_body({"y": 2, "x": 1})
