@@ -71,9 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-clients", type=int, default=0, metavar="N",
                    help="federation.eval_clients: the final evaluation asks N clients drawn "
                    "from the seed (default 0: every client)")
-    p.add_argument("--batch", choices=["off", "auto"], default="off",
-                   help="bus.batch: auto sends a round's tasks to a node as one message "
-                   "(PROTOCOL.md §4.3)")
+    p.add_argument("--batch", choices=["off", "auto"], default="auto",
+                   help="bus.batch: auto (the default, as a run's) sends a round's tasks to a "
+                   "node as one message and takes its answers as one (PROTOCOL.md §4.3)")
     p.add_argument("--no-floor", action="store_true", help="skip the raw-zmq floor")
     p.add_argument("--relays", type=int, default=0,
                    help="also run the same federation through this many `fedbus relay` "
@@ -122,7 +122,7 @@ def config(args: argparse.Namespace, dataset: str = "digits") -> dict:
         "algorithm": {"name": "noop", "payload": args.payload},
         "launch": launch,
         "log": {"messages": bool(args.message_log), "level": "warning"},
-        "bus": {"batch": getattr(args, "batch", "off")},
+        "bus": {"batch": getattr(args, "batch", "auto")},
     }
 
 

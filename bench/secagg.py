@@ -179,7 +179,7 @@ def round_marks(rows: list[dict[str, Any]], record: dict[str, Any]) -> dict[str,
         if row["round"] != r or row["t"] > record["time"] + 1e-6:
             continue
         kind, out = row["kind"], row["dir"] == "out"
-        if out and kind == "task":
+        if out and kind in ("task", "tasks"):  # alone, or batched (a plain run's default)
             marks.setdefault("close prev", row["t"])
             marks["tasks"] = row["t"]
         elif out and kind == "secagg":
@@ -189,7 +189,7 @@ def round_marks(rows: list[dict[str, Any]], record: dict[str, Any]) -> dict[str,
                 marks[steps_out[batches - 1]] = row["t"]
         elif row["dir"] == "in" and kind == "secagg":
             marks[steps_in[min(batches, 3)]] = row["t"]
-        elif row["dir"] == "in" and kind == "update":
+        elif row["dir"] == "in" and kind in ("update", "updates"):
             marks["inputs"] = row["t"]
         prev_out = out and kind == "secagg"
     marks["reveals" if "unmask" in marks else "inputs"] = record["time"]
@@ -212,7 +212,7 @@ def after_close(rows: list[dict[str, Any]], record: dict[str, Any]) -> float | N
     work the engine does after stamping the close (secure: the unmasking), which its
     `round_s` leaves to the next round (the last round's to none)."""
     for row in rows:
-        if row["dir"] == "out" and row["kind"] in ("task", "eval") and \
+        if row["dir"] == "out" and row["kind"] in ("task", "tasks", "eval") and \
                 row["t"] >= record["time"] - 1e-6 and \
                 (row["kind"] == "eval" or row["round"] > record["round"]):
             return row["t"] - record["time"]

@@ -226,7 +226,7 @@ SCHEMA: dict[str, dict[str, Opt]] = {
         "max_frame_mb": Opt(64, "largest accepted frame in MiB", min=1),
         "curve": Opt(False, "encrypt and authenticate with CurveZMQ"),
         "keys_dir": Opt("", "CurveZMQ keys folder (see `fedbus keygen`)"),
-        "batch": Opt("off", "auto: a round's tasks for one node leave as one `tasks` message, "
+        "batch": Opt("auto", "auto: a round's tasks for one node leave as one `tasks` message, "
                      "the shared payload encoded once, to each node that says it takes them, "
                      "and the node answers them with `updates` messages, one a round "
                      "(PROTOCOL.md §4.3); results are bit-identical to off. Secure "

@@ -15,6 +15,7 @@ import pytest
 import zygote
 
 from fedbus.bench.common import write_toml as write_config
+from fedbus.broker.wire import Message
 
 REPO = Path(__file__).resolve().parents[1]
 MNIST_NPZ = Path(os.environ.get("FEDBUS_MNIST_NPZ", REPO.parent / "shared/data/mnist-10k.npz"))
@@ -68,6 +69,29 @@ def run_federation(tmp_path: Path, sections: dict, *extra: str, name: str = "run
 
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def logged_messages(run_dir: Path, kind: str, direction: str) -> list[Message]:
+    """The run's message log's `task`s (kind "task", direction "out") or `update`s ("update",
+    "in"), a batch's members (PROTOCOL.md §4.3) each as the message it stands for, in log
+    order: a batched run (bus.batch's default) and an unbatched one read alike."""
+    from fedbus.broker.wire import decode
+    from fedbus.node.engine import unbatch_tasks, unbatch_updates
+    from fedbus.record.msglog import read_log
+
+    unbatch = {"task": unbatch_tasks, "update": unbatch_updates}[kind]
+    out = []
+    for rec in read_log(run_dir):
+        if rec.direction != direction:
+            continue
+        m = decode(rec.frames)
+        if m.kind == kind:
+            out.append(m)
+        elif m.kind == kind + "s":
+            for address, body in unbatch(m.body):
+                src, dst = (m.src, address) if kind == "task" else (address, m.dst)
+                out.append(Message(kind, src, dst, body, m.run, m.round))
+    return out
 
 
 def staleness_weight_ok(staleness: int, weight: float) -> bool:
@@ -124,13 +148,19 @@ def run_with_folded_straggler(tmp_path: Path, sections: dict, *,
 
 
 def run_async_with_slow_client(tmp_path: Path, sections: dict, *, concurrency: int = 3,
-                               timeout: float = 240) -> tuple[Path, dict, list[dict]]:
+                               timeout: float = 240, held: bool = False
+                               ) -> tuple[Path, dict, list[dict]]:
     """Runs `sections` in async mode, `concurrency` clients busy at a time and an aggregation
     every 2 updates, with client SLOW on a device 20x slower, so updates arrive out of order
     and some were made from older versions. Asserts what every such run shows; returns
-    (run dir, summary, metrics records)."""
+    (run dir, summary, metrics records). `held`: SLOW's node also holds each of its updates
+    until a message of a later version reaches it (system.hold_clients), so that update is
+    stale by the order of events, not by the machine's speed; with an evaluation every
+    version (federation.eval_every = 1, which reaches SLOW's node through its other client)
+    it arrives before the run ends."""
     cfg = merged(sections, federation={"mode": "async", "concurrency": concurrency, "buffer": 2},
-                 system={"slow_clients": [SLOW], "slow_factor": 20.0})
+                 system={"slow_clients": [SLOW], "slow_factor": 20.0,
+                         **({"hold_clients": [SLOW]} if held else {})})
     run, summary, records = _run_every_round(tmp_path, cfg, timeout)
     rounds = cfg["federation"]["rounds"]
     assert [r["version"] for r in records] == list(range(1, rounds + 1))

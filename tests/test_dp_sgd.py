@@ -21,15 +21,14 @@ import torch.nn.functional as F
 from fedbus.algorithms import get_algorithm
 from fedbus.algorithms.core.dp_sgd import DPSGD, model_refusal, task_sampling
 from fedbus.algorithms.core.handlers import ClientContext, LocalRun
-from fedbus.broker.wire import decode
 from fedbus.models.registry import build_model
 from fedbus.node.client_host import dp_release
 from fedbus.node.config import build_config
 from fedbus.node.privacy.budget import PrivacyLedger
 from fedbus.node.privacy.dp import RDP_ORDERS, dp_levels, dp_refusal
 from fedbus.node.server import build_engine
-from fedbus.record.msglog import read_log
-from tests.helpers import SMALL, fedbus, merged, metrics, run_federation, write_config
+from tests.helpers import (SMALL, fedbus, logged_messages, merged, metrics, run_federation,
+                           write_config)
 
 OPACUS_ATTRS = ("grad_sample", "summed_grad", "_forward_counter", "_current_grad_sample")
 
@@ -336,8 +335,8 @@ def test_a_federation_with_dp_sgd_reports_the_libraries_epsilon_and_replays(tmp_
     assert all(rec["dp"]["mechanism"] == "sgd" for rec in records)
     assert summary["privacy"]["epsilon"] == pytest.approx(want[-1], rel=1e-5)
     # the clients trained on Poisson batches: the samples they drew are not n x epochs
-    updates = [decode(r.frames) for r in read_log(run) if r.direction == "in"]
-    works = [(m.body["num_samples"], m.body["work"]) for m in updates if m.kind == "update"]
+    works = [(m.body["num_samples"], m.body["work"])
+             for m in logged_messages(run, "update", "in")]
     assert len(works) == 4 * rounds
     assert any(w["samples"] != n * epochs for n, w in works)
     assert all(w["steps"] == epochs * math.ceil(n / batch) for n, w in works)

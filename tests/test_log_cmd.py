@@ -20,13 +20,16 @@ from helpers import REPO, SMALL, fedbus, merged, run_federation, write_config
 from fedbus.broker.wire import decode
 from fedbus.record.msglog import read_log
 
-# FedProto, sync: prototypes and class counts up, global prototypes down.
-PROTO = merged(SMALL, federation={"clients": 4, "rounds": 2}, algorithm={"name": "fedproto"})
+# FedProto, sync: prototypes and class counts up, global prototypes down, each task and
+# update its own message (bus.batch = "off": the summaries below are a single message's;
+# the batched run's lines are checked at the end of this file).
+PROTO = merged(SMALL, federation={"clients": 4, "rounds": 2}, algorithm={"name": "fedproto"},
+               bus={"batch": "off"})
 
 # FedAvg with partial work (F' ~ U[0, F]): weight deltas up, weights down, every task
 # asks for fewer epochs than F.
 PARTIAL = merged(SMALL, federation={"clients": 3, "rounds": 2}, train={"epochs": 2},
-                 system={"partial_work": True})
+                 system={"partial_work": True}, bus={"batch": "off"})
 
 
 @pytest.fixture(scope="module")

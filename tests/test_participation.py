@@ -20,9 +20,11 @@ import pytest
 
 from fedbus.broker.wire import Message
 from fedbus.node.config import build_config
-from fedbus.node.engine import EVAL_MISSING, FAILURES, Engine, Out, client_address, unbounded_wait
+from fedbus.node.engine import (EVAL_MISSING, FAILURES, Engine, Out, client_address, client_index,
+                                unbounded_wait)
 from fedbus.node.server import build_engine, dispatch
-from tests.helpers import SMALL, Processes, free_port, merged, metrics, wait_until, write_config
+from tests.helpers import (SMALL, Processes, free_port, logged_messages, merged, metrics,
+                           wait_until, write_config)
 
 RUN = "r"
 WORK = {"epochs_asked": 1, "epochs_done": 1.0, "steps": 1, "samples": 1}
@@ -334,8 +336,9 @@ def test_log_and_replay_agree_on_every_task_dropped_late_and_dead_ones_too(parti
     (its update recomputed identically, or no update there was to compare, for that reason)."""
     from fedbus.launch import log_cmd, replay_cmd
 
-    tasks = [(e["round"], int(e["dst"][1:])) for e in log_cmd.load_index(partial_run)
-             if e["kind"] == "task" and e["dir"] == "out"]
+    # every task sent, alone or as a `tasks` batch's member
+    tasks = [(m.round, client_index(m.dst)) for m in logged_messages(partial_run, "task", "out")]
+    assert len(tasks) >= 8, tasks
     seen = set()
     for rnd, c in tasks:
         rc, log = _main(log_cmd, run=str(partial_run), round=rnd, client=c, kind=["task"],

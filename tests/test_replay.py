@@ -23,9 +23,14 @@ from fedbus.record.msglog import read_log
 
 IDENTICAL = re.compile(r"replay identical: (\d+) messages, (\d+) rounds")
 
+# The sync runs below send their tasks and updates one a client (bus.batch = "off"): these
+# tests count, cut and alter single task and update records. A batched run's replay is
+# tests/test_batch.py's and the async one's here.
+ONE_A_CLIENT = {"batch": "off"}
+
 # FedProto, sync, 4 clients in 2 nodes, 3 rounds.
 SYNC = merged(SMALL, federation={"clients": 4, "rounds": 3},
-              algorithm={"name": "fedproto"})
+              algorithm={"name": "fedproto"}, bus=ONE_A_CLIENT)
 
 # FedAvg, async: 3 of 4 clients busy, aggregate every 2 updates. Client 2 is a
 # straggler by events, not seconds: its node holds each of its updates until a
@@ -46,8 +51,9 @@ ASYNC_STRAGGLER = merged(SMALL, federation={"clients": 4, "rounds": 12, "eval_ev
 # its update until the next round's task (system.hold_clients), so round 0 stays
 # open on that node until it dies.
 KILLED = merged(SMALL, federation={"clients": 4, "rounds": 4},
-                algorithm={"name": "fedproto"}, system={"hold_clients": [2]})
-PLAIN = merged(SMALL, federation={"clients": 4, "rounds": 6}, algorithm={"name": "fedproto"})
+                algorithm={"name": "fedproto"}, system={"hold_clients": [2]}, bus=ONE_A_CLIENT)
+PLAIN = merged(SMALL, federation={"clients": 4, "rounds": 6}, algorithm={"name": "fedproto"},
+               bus=ONE_A_CLIENT)
 
 
 def replay(*args: str):

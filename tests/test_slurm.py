@@ -27,8 +27,12 @@ needs_slurm = pytest.mark.skipif(_why is not None, reason=f"real Slurm: {_why}")
 ROUNDS = 6
 TIMING = {"time", "round_s", "eval_s", "wall_s"}
 # 4 clients, every sampled client awaited (no deadline), nodes declared dead only after 30
-# missed heartbeats: the records are the same in every run of the config
-SECTIONS = merged(SMALL, federation={"rounds": ROUNDS, "clients": 4}, bus={"liveness": 30})
+# missed heartbeats: the records are the same in every run of the config. One client node,
+# as a job of `fedbus slurm`'s defaults has (one node, one task): a batched round sends
+# its payload once a node, so the uninterrupted `fedbus run` needs the same topology for
+# its records' bytes_down to be the job's.
+SECTIONS = merged(SMALL, federation={"rounds": ROUNDS, "clients": 4}, bus={"liveness": 30},
+                  launch={"nodes": 1})
 
 
 def _comparable(records: list[dict]) -> list[dict]:

@@ -22,12 +22,14 @@ from pathlib import Path
 import pytest
 
 from fedbus.analysis.timeline import FAILURE_FATE, FATES, load_timeline, render_html, write_png
-from tests.helpers import SMALL, fedbus, merged, metrics, run_federation
+from fedbus.node.engine import client_index
+from tests.helpers import SMALL, fedbus, logged_messages, merged, metrics, run_federation
 
 DROPS, HELD, SLOW = 1, 2, 2
 SYNC = merged(SMALL, federation={"clients": 5, "rounds": 3, "quorum": 3, "late": "fold"},
               system={"drop_clients": [DROPS], "hold_clients": [HELD]},
-              launch={"threads": 1}, bus={"liveness": 10}, log={"messages": True})
+              launch={"threads": 1}, bus={"liveness": 10, "batch": "off"},
+              log={"messages": True})
 ASYNC = merged(SMALL, federation={"clients": 5, "rounds": 6, "mode": "async",
                                   "concurrency": 3, "buffer": 2},
                system={"slow_clients": [SLOW], "slow_factor": 20.0, "drop_clients": [4]},
@@ -54,14 +56,9 @@ def async_run(tmp_path_factory) -> Path:
 
 
 def logged_tasks(run: Path) -> list[tuple[int, int]]:
-    """(client, task id) of every task the server sent, from the log's index."""
-    out = []
-    with open(run / "messages.jsonl") as f:
-        for line in f:
-            e = json.loads(line)
-            if e["kind"] == "task" and e["dir"] == "out":
-                out.append(e)
-    return [(int(e["dst"][1:]), e["i"]) for e in out]
+    """(client, task id) of every task the server sent, a `tasks` batch's members too, read
+    from the message log itself."""
+    return [(client_index(m.dst), m.body["task"]) for m in logged_messages(run, "task", "out")]
 
 
 def fresh(rec: dict) -> Counter:
@@ -87,7 +84,7 @@ def test_sync_one_bar_per_task_with_the_records_fates(sync_run):
     records = metrics(sync_run)
     tasks = logged_tasks(sync_run)
     assert len(tl.bars) == len(tasks) == 5 * 3
-    assert sorted(b.client for b in tl.bars) == sorted(c for c, _ in tasks)
+    assert sorted((b.client, b.task) for b in tl.bars) == sorted(tasks)
     assert len({b.task for b in tl.bars}) == len(tl.bars)
     bar = {(b.client, b.round): b for b in tl.bars}
     for rec in records:
@@ -123,7 +120,8 @@ def test_async_bars_agree_with_the_records(async_run):
     tl = load_timeline(async_run)
     records = metrics(async_run)
     tasks = logged_tasks(async_run)
-    assert len(tl.bars) == len(tasks) and tl.mode == "async" and not tl.round_starts
+    assert sorted((b.client, b.task) for b in tl.bars) == sorted(tasks)
+    assert tl.mode == "async" and not tl.round_starts
     assert len(tl.aggregations) == 6
     folded = Counter((b.client, b.version) for b in tl.bars if b.fate == "folded")
     assert folded == Counter((s[0], s[1]) for rec in records for s in rec["stale"])

@@ -23,7 +23,8 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import SMALL, Processes, free_port, merged, metrics, wait_until, write_config
+from helpers import (SMALL, Processes, free_port, logged_messages, merged, metrics, wait_until,
+                     write_config)
 
 from fedbus.broker import wire
 from fedbus.broker.wire import Message
@@ -409,14 +410,9 @@ def test_hostile_client_in_a_real_federation(tmp_path, spawn_py):
 def _check_protected_uploads(run_dir, honest: set[int], sigma: float) -> None:
     """The honest updates the server logged are clipped to norm 1, noised, and carry 0/1
     presence flags instead of counts (privacy.clip_norm/noise_sigma/withhold_counts)."""
-    from fedbus.record.msglog import read_log
-
     seen = 0
-    for rec in read_log(run_dir):
-        if rec.direction != "in":
-            continue
-        m = wire.decode(rec.frames)
-        if m.kind != "update" or int(m.src[1:]) not in honest:
+    for m in logged_messages(run_dir, "update", "in"):  # alone or a batch's members
+        if int(m.src[1:]) not in honest:
             continue
         seen += 1
         protos, counts = m.body["payload"]["protos"], m.body["payload"]["counts"]
