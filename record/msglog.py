@@ -65,6 +65,7 @@ class MessageLogWriter:
         records: list[Record] = []
         if resume:
             records, good_end = scan(self.bin_path)
+            resume = good_end > 0  # (0: cut before its magic was whole: start it again)
             with open(self.bin_path, "r+b") as f:
                 f.truncate(good_end)  # drop a torn tail before appending
         self.count = 0
@@ -114,6 +115,10 @@ def scan(path: str | Path) -> tuple[list[Record], int]:
     Raises LogCorrupt for damage that is not at the very end of the file."""
     path = Path(path)
     data = path.read_bytes()
+    if len(data) < len(MAGIC) and MAGIC.startswith(data):
+        # a log just created (read between its creation and the magic's write) or cut
+        # there by a kill: no records yet, like a torn last record
+        return [], 0
     if not data.startswith(MAGIC):
         raise LogCorrupt(f"{path}: not a fedbus message log (bad magic)")
     records: list[Record] = []

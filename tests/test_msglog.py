@@ -172,9 +172,30 @@ def test_bad_magic(tmp_path):
     path.write_bytes(b"NOTALOG!" + path.read_bytes()[8:])
     with pytest.raises(LogCorrupt, match="bad magic"):
         scan(path)
-    (tmp_path / "other.bin").write_bytes(b"")
+    (tmp_path / "other.bin").write_bytes(b"FBLOG2\n\x00")
     with pytest.raises(LogCorrupt, match="bad magic"):
         scan(tmp_path / "other.bin")
+    (tmp_path / "other.bin").write_bytes(MAGIC[:3] + b"x")
+    with pytest.raises(LogCorrupt, match="bad magic"):
+        scan(tmp_path / "other.bin")
+
+
+@pytest.mark.parametrize("cut", [0, 3, 7])
+def test_a_log_read_or_cut_before_its_magic_is_whole_is_empty(tmp_path, cut):
+    """A reader polling a live run can open the log between its creation and the magic's
+    write, and a kill can cut it there: no records, not a corrupt log; appending to it
+    starts it again."""
+    path = tmp_path / "messages.bin"
+    path.write_bytes(MAGIC[:cut])
+    assert scan(path) == ([], 0)
+    assert list(read_log(tmp_path)) == []
+    w = MessageLogWriter(tmp_path, append=True)
+    msg = _message("task", "server", "c1", 1, 9, {"task": 2})
+    w.write("out", 1.0, msg.frames, _header(msg))
+    w.close()
+    records, end = scan(path)
+    assert path.read_bytes()[:len(MAGIC)] == MAGIC and end == path.stat().st_size
+    assert [r.frames for r in records] == [msg.frames]
 
 
 def test_append_after_a_torn_tail_truncates_it_and_continues(tmp_path):
