@@ -454,6 +454,12 @@ def test_a_diverged_client_is_flagged_at_home_and_its_round_ends_at_the_server()
     assert non_finite(update["payload"]) == []
     assert non_finite({"a": [np.zeros(2), {"b": np.array([1.0, np.inf])}], "n": 3,
                        "x": math.nan, "i": np.array([1, 2])}) == ["payload.a[1].b", "payload.x"]
+    # every float width and layout; finite float32 values whose squares overflow are finite
+    big = np.full(8, 3e38, np.float32)
+    assert non_finite({"big": big, "h": np.array([1, np.nan], np.float16),
+                       "t": np.array([[1.0, np.nan], [2.0, 3.0]]).T, "c": np.array([1j, np.inf]),
+                       "ok": np.ones((3, 4), np.float32)[:, ::2]}) == \
+        ["payload.h", "payload.t", "payload.c"]
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
