@@ -123,6 +123,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "phase ends when all have answered); with --dropout-clients the wait "
                    "for the dropped clients, also the plain runs' deadline_s (default "
                    "then: 30, or clients / 10 s when larger)")
+    p.add_argument("--plain-batch", choices=("off", "auto"), default="off",
+                   help="bus.batch of the plain runs (default off: one message a client each "
+                   "way, as a secure run's steps always travel, so the ratio is what secure "
+                   "aggregation adds; auto: a run's default, one message a node)")
     p.add_argument("--out", default=None, help="keep the run directories here")
     p.add_argument("--json", action="store_true", help="also print the figures as JSON")
 
@@ -144,7 +148,8 @@ def sections(args: argparse.Namespace, clients: int, secure: bool,
     secure; the dropping clients and the wait for them as --dropout-clients asks."""
     fed = argparse.Namespace(clients=clients, rounds=args.rounds, fraction=1.0,
                              payload="prototypes", nodes=args.nodes, memory_mb=None,
-                             max_resident=None, evict_to=None, message_log=True)
+                             max_resident=None, evict_to=None, message_log=True,
+                             batch=getattr(args, "plain_batch", "off"))
     cfg = rounds_config(fed, dataset)
     wait = timeout_for(args, clients)
     cfg["privacy"] = {"secure_aggregation": secure}
@@ -352,7 +357,8 @@ def print_table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
              if args.dropout_clients else "no dropouts")
     print(f"fedbus bench secagg: no-op algorithm, prototype payload (10 x 512 float32), "
           f"{args.nodes} nodes, fraction 1, seed 0, secagg_neighbours "
-          f"{args.neighbours or 'auto'}, {drops}")
+          f"{args.neighbours or 'auto'}, {drops}, plain runs' bus.batch "
+          f"{getattr(args, 'plain_batch', 'off')} (secure runs: one message a client)")
     print("  s/round: median round_s after the first round; B/round: mean bytes a round, "
           "updates + tasks (+ secure steps both ways)")
     print(HEAD)

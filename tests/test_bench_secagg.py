@@ -58,6 +58,10 @@ def test_plain_and_secure_runs_of_a_tiny_cohort_compare_time_and_bytes(tmp_path)
     assert "plain s/rd" in text and "secure s/rd" in text and "secure B/rd" in text
     assert "target at 100 clients: <= 2x time, <= 1.5x bytes" in text
     assert "failed:" not in text
+    # the plain run travels as the secure one must, one message a client (--plain-batch)
+    assert "plain runs' bus.batch off" in text
+    plain_cfg = json.loads((tmp_path / "secagg-4-plain" / "config.json").read_text())
+    assert plain_cfg["bus"]["batch"] == "off"
     (row,) = figures["rows"]
     assert (row["clients"], row["rounds"], row["nodes"]) == (4, 2, 2)
     plain, secure = row["plain"], row["secure"]
