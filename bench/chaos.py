@@ -673,7 +673,7 @@ def read_history(run: Path) -> tuple[list[dict], list[Violation]]:
 
     from fedbus.analysis.replay import _compare, _decode, load_run, take_refused
     from fedbus.broker.wire import DEFAULT_MAX_FRAME, decode_body
-    from fedbus.node.engine import out_params
+    from fedbus.node.engine import NOTED_KINDS, out_params
     from fedbus.node.server import build_engine, judge, take
     from fedbus.record.msglog import read_log
 
@@ -709,7 +709,7 @@ def read_history(run: Path) -> tuple[list[dict], list[Violation]]:
                 problems.append(Violation("replay", f"replay diverged: {div}", [div.round],
                                           [div.index]))
                 return history, problems
-            if out.kind in ("task", "tasks", "eval", "secagg"):  # as ServerNode._send
+            if out.kind in NOTED_KINDS:  # as ServerNode._send
                 engine.note_sent(out, rec.nbytes, out_params(out))
             continue
         if pending and rec.direction != "resume":

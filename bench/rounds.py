@@ -71,6 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-clients", type=int, default=0, metavar="N",
                    help="federation.eval_clients: the final evaluation asks N clients drawn "
                    "from the seed (default 0: every client)")
+    p.add_argument("--eval-every", type=int, default=None, metavar="N",
+                   help="federation.eval_every: evaluate every N rounds (default: once, after "
+                   "the last; a run's own default is 1, which puts an evaluation in every "
+                   "round's time)")
     p.add_argument("--batch", choices=["off", "auto"], default="auto",
                    help="bus.batch: auto (the default, as a run's) sends a round's tasks to a "
                    "node as one message and takes its answers as one (PROTOCOL.md §4.3)")
@@ -114,7 +118,8 @@ def config(args: argparse.Namespace, dataset: str = "digits") -> dict:
             launch[key] = value
     return {
         "federation": {"clients": args.clients, "rounds": args.rounds,
-                       "fraction": args.fraction, "eval_every": args.rounds, "seed": 0,
+                       "fraction": args.fraction, "seed": 0,
+                       "eval_every": getattr(args, "eval_every", None) or args.rounds,
                        "eval_clients": getattr(args, "eval_clients", 0),
                        "start_timeout_s": 600.0},
         "data": {"dataset": dataset, "partition": "iid", "test_fraction": 0.25},
@@ -175,14 +180,17 @@ def main_args(args: argparse.Namespace) -> int:
         floor = run_floor(summary, records, args.nodes, repeats=max(5, args.rounds))
         figures.update(floor.figures(figures["round_ms_median"]))
         figures["ratios"] = {k: floor.ratio(figures[k]) for k in TIMES}
+    evals = f", an evaluation every {args.eval_every} round(s)" \
+        if getattr(args, "eval_every", None) else ""
     if args.quick:
         print(f"fedbus bench rounds --quick: {args.clients} clients, {args.nodes} "
               f"node{'s' if args.nodes > 1 else ''}, {args.rounds} rounds, payload "
-              f"{args.payload}, batch {args.batch}; the ratios are information, not a verdict")
+              f"{args.payload}, batch {args.batch}{evals}; the ratios are information, "
+              "not a verdict")
     else:
         print(f"fedbus bench rounds: {args.clients} clients, {args.nodes} nodes, "
               f"{sampled} sampled a round, payload {args.payload}, {args.rounds} rounds, "
-              f"message log {'on' if args.message_log else 'off'}, batch {args.batch}")
+              f"message log {'on' if args.message_log else 'off'}, batch {args.batch}{evals}")
     rows = [(label, figures[key], floor.ms if floor else None) for key, label in TIMES.items()]
     print("\n".join(floor_table(rows, floor)))
     if args.quick:

@@ -217,9 +217,9 @@ def after_close(rows: list[dict[str, Any]], record: dict[str, Any]) -> float | N
     work the engine does after stamping the close (secure: the unmasking), which its
     `round_s` leaves to the next round (the last round's to none)."""
     for row in rows:
-        if row["dir"] == "out" and row["kind"] in ("task", "tasks", "eval") and \
+        if row["dir"] == "out" and row["kind"] in ("task", "tasks", "eval", "evals") and \
                 row["t"] >= record["time"] - 1e-6 and \
-                (row["kind"] == "eval" or row["round"] > record["round"]):
+                (row["kind"] in ("eval", "evals") or row["round"] > record["round"]):
             return row["t"] - record["time"]
     return None
 

@@ -54,11 +54,12 @@ HEARTBEAT_S, LIVENESS = 1.0, 3
 SNDMORE = zmq.SNDMORE
 # kinds a lossy link may drop or a resending peer duplicate (the rest ride on connection
 # state: a lost join or shutdown is a lost connection, which the link cut models)
-# (`tasks` and `updates`, bus.batch's batches, ride the same reliability as their members)
-LOSSY = frozenset({"task", "update", "tasks", "updates", "eval", "eval_result", "config",
-                   "ack", "heartbeat", "flush", "flushed"})
-DUPLICABLE = frozenset({"task", "update", "tasks", "updates", "eval", "eval_result", "config",
-                        "flush", "flushed"})
+# (`tasks`, `evals` and `updates`, bus.batch's batches, ride the same reliability as their
+# members)
+LOSSY = frozenset({"task", "update", "tasks", "updates", "eval", "evals", "eval_result",
+                   "config", "ack", "heartbeat", "flush", "flushed"})
+DUPLICABLE = frozenset({"task", "update", "tasks", "updates", "eval", "evals", "eval_result",
+                        "config", "flush", "flushed"})
 FAULT_KINDS = ("node_kill", "node_stop", "link_cut", "server_kill", "server_kill_at_checkpoint",
                "broker_kill")
 
@@ -878,7 +879,7 @@ class SimNode:
             client = client_index(msg.dst)
             cost = world.task_s * float(world.rng.uniform(0.5, 1.5)) * \
                 (8.0 if client in world.slow else 1.0)
-        elif msg.kind == "eval":
+        elif msg.kind in ("eval", "evals"):
             cost = 0.05
         elif msg.kind == "config":
             cost = 0.2

@@ -91,6 +91,7 @@ KINDS = frozenset(
         "updates",
         "merged",
         "eval",
+        "evals",
         "eval_result",
         "error",
         "shutdown",

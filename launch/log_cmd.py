@@ -326,25 +326,28 @@ def summarize(entry: Mapping, body: Any) -> dict[str, Any]:
     return {"keys": sorted(str(k) for k in body)[:12]}
 
 
-# batched tasks and updates (PROTOCOL.md §4.3): one message for several clients
-BATCHES = {"tasks": ("to", "task"), "updates": ("from", "update")}
+# batched tasks, evaluations and updates (PROTOCOL.md §4.3): one message for several clients
+BATCHES = {"tasks": ("to", "task"), "evals": ("to", "eval"), "updates": ("from", "update")}
 
 
 def batch_members(kind: str, body: Any) -> list[tuple[str, dict[str, Any]]]:
-    """A `tasks` or `updates` body's members as (client address, the body of the `task` or
-    `update` it stands for), in order. ValueError names what is malformed."""
+    """A `tasks`, `evals` or `updates` body's members as (client address, the body of the
+    `task`, `eval` or `update` it stands for), in order. ValueError names what is
+    malformed."""
     from fedbus.node.engine import unbatch_tasks, unbatch_updates
 
-    return unbatch_tasks(body) if kind == "tasks" else unbatch_updates(body)
+    return unbatch_updates(body) if kind == "updates" else unbatch_tasks(body, kind)
 
 
 def batch_summary(kind: str, body: Any) -> dict[str, Any]:
-    """A batch's summary: its members' clients and tasks, and (for `tasks`) how many
-    distinct payloads it carried, each encoded once, with the first's summary."""
+    """A batch's summary: its members' clients and tasks (evaluations), and (for `tasks`
+    and `evals`) how many distinct payloads it carried, each encoded once, with the
+    first's summary."""
     members = batch_members(kind, body)
+    what = "eval" if kind == "evals" else "task"
     out: dict[str, Any] = {"members": len(members), "clients": [a for a, _ in members],
-                           "tasks": [b.get("task") for _, b in members]}
-    if kind == "tasks":
+                           "tasks": [b.get(what) for _, b in members]}
+    if kind in ("tasks", "evals"):
         payloads = body.get("payloads") or []
         out["payloads"] = len(payloads)
         if payloads:
@@ -444,9 +447,10 @@ def summary_text(entry: Mapping, s: Mapping[str, Any]) -> str:
         who = _ids(s.get("clients") or [])
         ids = ",".join(str(t) for t in s.get("tasks") or [])
         once = f", {s['payloads']} payload(s) sent once" if "payloads" in s else ""
-        word = "for" if kind == "tasks" else "from"
+        word = "from" if kind == "updates" else "for"
+        ids_of = "evals" if kind == "evals" else "tasks"
         return f"{s.get('members', 0)} {BATCHES[kind][1]}s {word} clients {who} " \
-               f"(tasks {ids}){once}{tail}"
+               f"({ids_of} {ids}){once}{tail}"
     if kind == "merged":
         return (f"{s.get('members', 0)} members, rule {s.get('rule', '?')} "
                 f"v{s.get('version', '?')}{tail}")

@@ -98,7 +98,8 @@ class ClientNode:
             self._build(run_id, build_config(raw))
         self.peer.run = run_id  # updates carry the run id; the server checks it
         # (batch: this node takes `tasks` batches, PROTOCOL.md §4.3)
-        self.peer.send("config", SERVER, {"node": self.name, "run": run_id, "batch": ["tasks"]},
+        self.peer.send("config", SERVER, {"node": self.name, "run": run_id,
+                                          "batch": ["tasks", "evals"]},
                        src=client_address(self.clients[0]))
 
     def _build(self, run_id: str, cfg: Config) -> None:
@@ -173,7 +174,7 @@ class ClientNode:
                     msg = self._recv(max(0.0, min(1.0, self.send_due())))
                 if msg is None:
                     continue
-                if msg.kind == "tasks":  # a batch: its members, as if each had come alone
+                if msg.kind in ("tasks", "evals"):  # a batch: its members, as if each came alone
                     self._unbatch(msg)
                     continue
                 if msg.kind == "task" and (self._secure_task(msg) or self._cohort_may(msg)):
@@ -209,7 +210,7 @@ class ClientNode:
         msg = self.peer.recv(timeout=timeout)
         if msg is not None and self.msglog is not None:
             self.msglog.write("in", time.time(), msg.frames)
-        if msg is not None and self.held and msg.kind in ("task", "tasks", "eval"):
+        if msg is not None and self.held and msg.kind in ("task", "tasks", "eval", "evals"):
             self._release_held(msg.round)
         return msg
 
@@ -266,19 +267,24 @@ class ClientNode:
             tasks.append(msg)
 
     def _unbatch(self, msg: Message) -> None:
-        """A `tasks` batch (PROTOCOL.md §4.3): its members, in order, first in line, each a
-        `task` message from the server to its client, as the unbatched server would have
-        sent it; what follows is what a run of individual tasks goes through (a cohort, an
-        error for a client not hosted here)."""
+        """A `tasks` or `evals` batch (PROTOCOL.md §4.3): its members, in order, first in
+        line, each a `task` (`eval`) message from the server to its client, as the
+        unbatched server would have sent it; what follows is what a run of individual
+        tasks or evaluations goes through (a cohort, an error for a client not hosted
+        here). A task's answer joins the node's next `updates` batch; an evaluation's
+        leaves alone."""
+        kind = msg.kind[:-1]
         try:
-            members = unbatch_tasks(msg.body)
+            members = unbatch_tasks(msg.body, msg.kind)
         except ValueError as err:
-            log.warning("malformed tasks batch: ignored", reason=str(err), round=msg.round)
+            log.warning(f"malformed {msg.kind} batch: ignored", reason=str(err),
+                        round=msg.round)
             return
         self._pending.extendleft(
-            Message("task", msg.src, to, body, run=msg.run, round=msg.round, seq=msg.seq,
+            Message(kind, msg.src, to, body, run=msg.run, round=msg.round, seq=msg.seq,
                     inc=msg.inc, ts=msg.ts) for to, body in reversed(members))
-        self._batch_of.update((to, body.get("task")) for to, body in members)
+        if kind == "task":
+            self._batch_of.update((to, body.get("task")) for to, body in members)
 
     def _flush_updates(self) -> None:
         """The updates trained since the last flush, as `updates` batches (PROTOCOL.md §4.3):
@@ -420,12 +426,14 @@ class ClientNode:
             log.warning("no config yet: ignored", kind=msg.kind)
         elif msg.kind == "task":
             self._safely(msg, self.on_task)
-        elif msg.kind == "tasks":
+        elif msg.kind in ("tasks", "evals"):
             # (serve unpacks a batch into its queue first; a driver of handle alone, such as
             # the simulator, gets its members one by one here, their answers sent at its end)
+            kind = msg.kind[:-1]
             self._unbatch(msg)
-            while self._pending and self._pending[0].kind == "task":
-                self._safely(self._pending.popleft(), self.on_task)
+            while self._pending and self._pending[0].kind == kind:
+                self._safely(self._pending.popleft(),
+                             self.on_task if kind == "task" else self.on_eval)
             self._flush_updates()
         elif msg.kind == "eval":
             self._safely(msg, self.on_eval)

@@ -226,11 +226,12 @@ SCHEMA: dict[str, dict[str, Opt]] = {
         "max_frame_mb": Opt(64, "largest accepted frame in MiB", min=1),
         "curve": Opt(False, "encrypt and authenticate with CurveZMQ"),
         "keys_dir": Opt("", "CurveZMQ keys folder (see `fedbus keygen`)"),
-        "batch": Opt("auto", "auto: a round's tasks for one node leave as one `tasks` message, "
-                     "the shared payload encoded once, to each node that says it takes them, "
-                     "and the node answers them with `updates` messages, one a round "
-                     "(PROTOCOL.md §4.3); results are bit-identical to off. Secure "
-                     "aggregation runs stay unbatched", ("off", "auto")),
+        "batch": Opt("auto", "auto: a round's tasks for one node leave as one `tasks` message "
+                     "and an evaluation's requests as one `evals` message, the shared payload "
+                     "encoded once, to each node that says it takes them, and the node "
+                     "answers the tasks with `updates` messages, one a round (PROTOCOL.md "
+                     "§4.3); results are bit-identical to off. Secure aggregation runs stay "
+                     "unbatched", ("off", "auto")),
     },
     "launch": {
         "nodes": Opt(2, "client-node processes for a local run", min=1),

@@ -24,7 +24,7 @@ import heapq
 import json
 import math
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace as dc_replace
 from typing import Any
 
@@ -289,7 +289,8 @@ class Engine:
         # message. Never under secure aggregation (each task opens its own secagg session).
         self.batching = cfg.bus.get("batch", "off") == "auto" and \
             not cfg.privacy.secure_aggregation
-        self.batch_nodes: set[str] = set()
+        self.batch_nodes: set[str] = set()  # nodes that take `tasks` batches
+        self.eval_batch_nodes: set[str] = set()  # ... and `evals` batches
         self.version = 0  # aggregations done
         self.next_task_id = 1
         self.next_eval_id = 1
@@ -475,6 +476,7 @@ class Engine:
             finished = self._finish_answered_evals(now)
         self.nodes[node] = ids
         self.batch_nodes.discard(node)  # until its new acknowledgement says so again
+        self.eval_batch_nodes.discard(node)
         for c in gone:
             self.host.pop(c, None)
         self.host.update(dict.fromkeys(ids, node))
@@ -483,14 +485,17 @@ class Engine:
                 *finished]
 
     def on_configured(self, node: str, run: str, now: float,
-                      batch: bool = False) -> list[Out]:
+                      batch: Collection[str] = ()) -> list[Out]:
+        """A node's acknowledgement of the run's config; `batch`: the batches it said it
+        takes ("tasks", "evals"; PROTOCOL.md §4.3)."""
         ids = self.nodes.get(node)
         if ids is None or run != self.run_id:
             return []
-        if batch and self.batching:  # it said it takes `tasks` (PROTOCOL.md §4.3)
-            self.batch_nodes.add(node)
-        else:
-            self.batch_nodes.discard(node)
+        for kind, nodes in (("tasks", self.batch_nodes), ("evals", self.eval_batch_nodes)):
+            if self.batching and kind in batch:
+                nodes.add(node)
+            else:
+                nodes.discard(node)
         self.live.update(ids)
         self.events.append({"event": "node_ready", "node": node, "clients": len(ids)})
         return self._progress(now)
@@ -498,6 +503,7 @@ class Engine:
     def on_leave(self, node: str, clients: list[str], now: float) -> list[Out]:
         ids = self.nodes.pop(node, None)
         self.batch_nodes.discard(node)
+        self.eval_batch_nodes.discard(node)
         if ids is None:
             ids = [client_index(a) for a in clients if a.startswith("c") and a[1:].isdigit()]
         self.live.difference_update(ids)
@@ -688,22 +694,24 @@ class Engine:
         return bound
 
     def _batched(self, outs: list[Out]) -> list[Out]:
-        """The output stage of one call's tasks (PROTOCOL.md §4.3): the tasks for a node in
-        batch_nodes leave as one `tasks` message, at the place of its first, each payload
-        object listed once (by identity: the same arrays encode to the same bytes); a node's
-        single task stays a `task`. Every decision (who, budgets, deadlines, seeds) was made
-        per client above; this only packs them."""
-        if not self.batch_nodes:
+        """The output stage of one call's tasks or evaluations (PROTOCOL.md §4.3): those
+        for a node in batch_nodes (eval_batch_nodes) leave as one `tasks` (`evals`)
+        message, at the place of its first, each payload object listed once (by identity:
+        the same arrays encode to the same bytes); a node's single one stays a `task`
+        (`eval`). Every decision (who, budgets, deadlines, seeds) was made per client
+        above; this only packs them."""
+        takers = {"task": self.batch_nodes, "eval": self.eval_batch_nodes}
+        if not self.batch_nodes and not self.eval_batch_nodes:
             return outs
-        groups: dict[str, list[int]] = {}
+        groups: dict[tuple[str, str], list[int]] = {}
         for i, o in enumerate(outs):
-            if o.kind == "task":
+            if o.kind in takers:
                 node = self.host.get(client_index(o.dst))
-                if node in self.batch_nodes:
-                    groups.setdefault(node, []).append(i)
+                if node in takers[o.kind]:
+                    groups.setdefault((node, o.kind), []).append(i)
         first: dict[int, Out] = {}
         skip: set[int] = set()
-        for node, idx in groups.items():
+        for (node, kind), idx in groups.items():
             if len(idx) < 2:
                 continue
             payloads: list[Any] = []
@@ -716,7 +724,7 @@ class Engine:
                     seen[key] = len(payloads)
                     payloads.append(o.body.get("payload"))
                 members.append({**o.body, "to": o.dst, "payload": seen[key]})
-            first[idx[0]] = Out("tasks", node, outs[idx[0]].round,
+            first[idx[0]] = Out(kind + "s", node, outs[idx[0]].round,
                                 {"payloads": payloads, "members": members})
             skip.update(idx[1:])
         return [first.get(i, o) for i, o in enumerate(outs) if i not in skip]
@@ -1363,7 +1371,7 @@ class Engine:
             out.append(Out("eval", client_address(c), record["round"], body))
         if not targets:
             out += self._finish_eval(eid, now)
-        return out
+        return self._batched(out)
 
     def _eval_sample(self, live: list[int]) -> list[int]:
         """The live clients an evaluation asks: all of them, or federation.eval_clients of
@@ -1477,22 +1485,28 @@ def _identity(value: Any) -> Any:
     return ("o", id(value))
 
 
+# what the server sends whose weight Engine.note_sent counts (the shell, replay and the chaos
+# harness's replay call it for each of these they send or compare)
+NOTED_KINDS = frozenset({"task", "tasks", "eval", "evals", "secagg"})
+
+
 def out_params(out: Out) -> int:
     """The parameters a task (or eval, secagg) message carries, per client: a batch counts
     each member's payload, as its members' own tasks would have."""
-    if out.kind == "tasks":
+    if out.kind in ("tasks", "evals"):
         payloads = out.body["payloads"]
         return sum(count_params(payloads[m["payload"]]) for m in out.body["members"])
     return count_params(out.body.get("payload"))
 
 
-def unbatch_tasks(body: Any) -> list[tuple[str, dict[str, Any]]]:
-    """A `tasks` body (PROTOCOL.md §4.3) as its members' (address, task body), in order,
-    each body as the member's own `task` would have carried it. Its maps and lists are
-    each member's own; arrays are shared, read-only. ValueError names what is malformed."""
+def unbatch_tasks(body: Any, kind: str = "tasks") -> list[tuple[str, dict[str, Any]]]:
+    """A `tasks` (or `evals`) body (PROTOCOL.md §4.3) as its members' (address, task or
+    eval body), in order, each body as the member's own `task` (`eval`) would have carried
+    it. Its maps and lists are each member's own; arrays are shared, read-only. ValueError
+    names what is malformed."""
     if not isinstance(body, dict) or not isinstance(body.get("payloads"), list) or \
             not isinstance(body.get("members"), list):
-        raise ValueError("a tasks body must be a map with lists payloads and members")  # noqa: TRY004
+        raise ValueError(f"a {kind} body must be a map with lists payloads and members")  # noqa: TRY004
     payloads = body["payloads"]
     out = []
     for i, m in enumerate(body["members"]):
@@ -1500,7 +1514,7 @@ def unbatch_tasks(body: Any) -> list[tuple[str, dict[str, Any]]]:
         if not isinstance(m, dict) or not isinstance(m.get("to"), str) or \
                 isinstance(ref, bool) or not isinstance(ref, int) or \
                 not 0 <= ref < len(payloads):
-            raise ValueError(f"members[{i}] must be a task map with 'to' (an address) and "
+            raise ValueError(f"members[{i}] must be a {kind[:-1]} map with 'to' (an address) and "
                              f"'payload' (an index into payloads)")
         task = {k: v for k, v in m.items() if k != "to"}
         task["payload"] = _own_containers(payloads[ref])

@@ -29,8 +29,8 @@ from fedbus.broker.peer import Peer, PeerError
 from fedbus.broker.wire import BROADCAST, BROKER, Message, body_size, decode_body, encode_body
 from fedbus.models import describe_group
 from fedbus.node.config import Config, ConfigError
-from fedbus.node.engine import (SERVER, Engine, Out, Refusal, client_address, client_index,
-                                out_params)
+from fedbus.node.engine import (NOTED_KINDS, SERVER, Engine, Out, Refusal, client_address,
+                                client_index, out_params)
 from fedbus.node.privacy.budget import run_noise_seed, uses_secret_server_noise
 from fedbus.node.privacy.secure_round import privacy_refusal, run_graph_key
 from fedbus.node.setup import (arch_builder, check_models, distinct_archs, federated_data,
@@ -364,8 +364,9 @@ def apply(engine: Engine, msg: Message, now: float) -> list[Out]:
         return take_updates(engine, msg, now)
     if kind == "config":
         node = config_sender(engine, msg.src)
-        # a node that takes batched tasks says so (PROTOCOL.md §4.3)
-        batch = isinstance(body.get("batch"), list) and "tasks" in body["batch"]
+        # a node that takes batched tasks (and evaluations) says so (PROTOCOL.md §4.3)
+        said = body.get("batch")
+        batch = [k for k in said if k in ("tasks", "evals")] if isinstance(said, list) else []
         return [] if node is None else engine.on_configured(node, body["run"], now, batch)
     if kind == "error" and body.get("code") == "handler_failed":
         return engine.on_task_failed(msg.src, body.get("task"), now)
@@ -713,7 +714,8 @@ class ServerNode:
         if choice == "auto" and self.cfg.privacy.secure_aggregation:
             return "off (secure aggregation: each task opens its own session, so tasks " \
                    "stay one a client)"
-        return "auto (a round's tasks one message a node)" if choice == "auto" else "off"
+        return "auto (a round's tasks and an evaluation's requests one message a node)" \
+            if choice == "auto" else "off"
 
     def _await_shutdown(self, peer: Peer, stop: StopSignals) -> None:
         """Keep the connection until the shutdown is delivered (every client node live when
@@ -768,7 +770,7 @@ class ServerNode:
             msg = peer.send(out.kind, out.dst, out.body, round=out.round)
             if out.kind != "error":  # answers to refusals: a replay makes them, unlogged
                 self._log("out", time.time(), msg.frames, _header(msg))
-            if out.kind in ("task", "tasks", "eval", "secagg"):
+            if out.kind in NOTED_KINDS:
                 self.engine.note_sent(out, msg.nbytes, out_params(out))
             if out.kind == "task":  # the node's client states change: a flush will ask
                 node = self.engine.host.get(client_index(out.dst))

@@ -72,14 +72,15 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def logged_messages(run_dir: Path, kind: str, direction: str) -> list[Message]:
-    """The run's message log's `task`s (kind "task", direction "out") or `update`s ("update",
-    "in"), a batch's members (PROTOCOL.md §4.3) each as the message it stands for, in log
-    order: a batched run (bus.batch's default) and an unbatched one read alike."""
+    """The run's message log's `task`s or `eval`s (direction "out") or `update`s ("in"), a
+    batch's members (PROTOCOL.md §4.3) each as the message it stands for, in log order: a
+    batched run (bus.batch's default) and an unbatched one read alike."""
     from fedbus.broker.wire import decode
     from fedbus.node.engine import unbatch_tasks, unbatch_updates
     from fedbus.record.msglog import read_log
 
-    unbatch = {"task": unbatch_tasks, "update": unbatch_updates}[kind]
+    def unbatch(body):
+        return unbatch_updates(body) if kind == "update" else unbatch_tasks(body, kind + "s")
     out = []
     for rec in read_log(run_dir):
         if rec.direction != direction:
@@ -89,7 +90,7 @@ def logged_messages(run_dir: Path, kind: str, direction: str) -> list[Message]:
             out.append(m)
         elif m.kind == kind + "s":
             for address, body in unbatch(m.body):
-                src, dst = (m.src, address) if kind == "task" else (address, m.dst)
+                src, dst = (address, m.dst) if kind == "update" else (m.src, address)
                 out.append(Message(kind, src, dst, body, m.run, m.round))
     return out
 

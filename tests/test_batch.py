@@ -25,6 +25,7 @@ from tests.helpers import (
     fedbus,
     free_port,
     late_rounds,
+    logged_messages,
     merged,
     metrics,
     run_federation,
@@ -93,6 +94,13 @@ def assert_bit_identical(runs):
     kinds = {k: [e["kind"] for e in _logged(runs[k])] for k in runs}
     assert kinds["off"].count("task") == 18 and "tasks" not in kinds["off"]
     assert kinds["auto"].count("tasks") == 6 and "task" not in kinds["auto"]
+    # and each round's evaluation: one `evals` message a node (a node's single evaluation
+    # stays an `eval`), asking the same clients as the unbatched run, one a client
+    asked = {k: sorted((m.round, m.dst) for m in logged_messages(runs[k], "eval", "out"))
+             for k in runs}
+    assert asked["off"] == asked["auto"] and "evals" not in kinds["off"]
+    assert kinds["off"].count("eval") == len(asked["off"]) >= 12
+    assert 3 <= kinds["auto"].count("evals") <= 6 and kinds["auto"].count("eval") <= 3
 
 
 @pytest.mark.parametrize("algorithm", ["fedavg", "fedproto", "fedtgp", "fedgh"])
@@ -134,18 +142,46 @@ def test_a_straggler_folded_late_is_accounted_alike_batched_and_not(tmp_path):
 
 # --- the engine's output stage, without processes ---
 
-def _engine(batch="auto", secure=False, acks=("n0", "n1")):
+BOTH = ("tasks", "evals")  # what a node of this version says it takes
+
+
+def _engine(batch="auto", secure=False, acks=("n0", "n1"), algorithm="fedproto", said=BOTH):
     raw = {"federation": {"clients": 6, "rounds": 3},
            "data": {"dataset": "digits", "partition": "iid"},
-           "model": {"arch": "mlp"}, "algorithm": {"name": "fedproto"},
+           "model": {"arch": "mlp"}, "algorithm": {"name": algorithm},
            "bus": {"batch": batch}}
     if secure:
         raw["privacy"] = {"secure_aggregation": True}
     engine = build_engine(build_config(raw), "r")
     engine.on_join("n0", [client_address(c) for c in range(4)], 0.0)
     engine.on_join("n1", [client_address(c) for c in range(4, 6)], 0.0)
-    engine.on_configured("n0", "r", 0.0, "n0" in acks)
-    return engine, engine.on_configured("n1", "r", 0.0, "n1" in acks)
+    engine.on_configured("n0", "r", 0.0, said if "n0" in acks else ())
+    return engine, engine.on_configured("n1", "r", 0.0, said if "n1" in acks else ())
+
+
+def _evaluation(engine, outs):
+    """What the engine sends once every task of `outs` is answered (no-op updates): the
+    round's evaluation."""
+    after = []
+    for to, body in [m for o in outs for m in unbatch_tasks(o.body)]:
+        after += engine.on_update(to, {"task": body["task"], "version": body["version"],
+                                       "num_samples": 1, "work": dict(WORK),
+                                       "payload": {"state": body["payload"]["state"]}}, 0, 1.0)
+    return [o for o in after if o.kind in ("eval", "evals")]
+
+
+def test_a_round_s_evaluation_is_one_evals_message_a_node_that_said_it_takes_them():
+    engine, outs = _engine(algorithm="noop")
+    evals = _evaluation(engine, outs)
+    assert [(o.kind, o.dst) for o in evals] == [("evals", "n0"), ("evals", "n1")]
+    members = [m for o in evals for m in unbatch_tasks(decode_body(encode_body(o.body)),
+                                                        "evals")]
+    assert [to for to, _ in members] == [client_address(c) for c in range(6)]
+    assert {body["eval"] for _, body in members} == {1}
+    # a node that said only "tasks" (an older one) gets its evaluations one a client
+    engine, outs = _engine(algorithm="noop", said=("tasks",))
+    assert [(o.kind, o.dst) for o in _evaluation(engine, outs)] == \
+        [("eval", client_address(c)) for c in range(6)]
 
 
 def test_a_round_is_one_tasks_message_a_node_that_said_it_takes_them():
@@ -198,8 +234,8 @@ def _noop_engine():
         "algorithm": {"name": "noop"}}), "r")
     engine.on_join("n0", [client_address(c) for c in range(4)], 0.0)
     engine.on_join("n1", [client_address(c) for c in range(4, 6)], 0.0)
-    engine.on_configured("n0", "r", 0.0, True)
-    outs = engine.on_configured("n1", "r", 0.0, True)
+    engine.on_configured("n0", "r", 0.0, BOTH)
+    outs = engine.on_configured("n1", "r", 0.0, BOTH)
     return engine, {to: body for o in outs for to, body in unbatch_tasks(o.body)}
 
 

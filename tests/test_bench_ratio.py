@@ -50,6 +50,16 @@ def test_no_floor_leaves_the_ratios_out(tmp_path):
     assert "raw-zmq floor" not in out.stdout
 
 
+def test_eval_every_puts_an_evaluation_in_every_round(tmp_path):
+    out = fedbus("bench", "rounds", "--quick", "--clients", "4", "--rounds", "3",
+                 "--no-floor", "--eval-every", "1", "--out", str(tmp_path), timeout=300)
+    assert "an evaluation every 1 round(s)" in out.stdout
+    (run,) = [p.parent for p in tmp_path.rglob("metrics.jsonl")]
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records] == [0, 1, 2]
+    assert all(r["eval_clients"] == 4 for r in records), records
+
+
 def test_quick_refuses_relays_before_anything_runs(tmp_path):
     out = fedbus("bench", "rounds", "--quick", "--relays", "1", "--out", str(tmp_path),
                  check=False)

@@ -325,3 +325,17 @@ def test_a_batch_is_one_line_naming_its_members_and_client_finds_its_member(batc
     assert as_update == [m["i"] for m in batches if m["kind"] == "updates"]
     outcomes = [m["outcome"] for m in lines if "outcome" in m]
     assert outcomes and all(o["sampled"] == [0, 1, 2, 3] for o in outcomes), outcomes
+    # an evaluation's `evals` batch: one line naming its members' clients and eval ids;
+    # --kind eval --client 2 shows c2's member of each as its own `eval` would be shown
+    evals = [m for m in lines if m.get("kind") == "evals"]
+    assert len(evals) == 2 * 2, evals  # 2 rounds, 2 nodes of 2 clients
+    for m in evals:
+        body = truth[m["i"]]
+        assert m["summary"]["clients"] == [b["to"] for b in body["members"]]
+        assert m["summary"]["tasks"] == [b["eval"] for b in body["members"]]
+    as_eval = [m for m in json_lines(batched_run, "--kind", "eval", "--client", "2")
+               if "kind" in m and m["dir"] == "out"]
+    assert [m["i"] for m in as_eval] == [m["i"] for m in evals if "c2" in m["summary"]["clients"]]
+    assert [m["summary"]["eval"] for m in as_eval] == [1, 2]
+    text = log(batched_run, "--kind", "evals").stdout
+    assert "2 evals for clients" in text and "(evals " in text, text
