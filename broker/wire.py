@@ -385,6 +385,7 @@ _CODE_DTYPE: dict[int, np.dtype] = {
     14: np.dtype("<c16"),
 }
 _KIND_SIZE_CODE: dict[tuple[str, int], int] = {(d.kind, d.itemsize): c for c, d in _CODE_DTYPE.items()}
+_WIRE_DTYPES = frozenset(_CODE_DTYPE.values())  # as they travel: little-endian
 _ARR_HEAD = struct.Struct("<BB")
 _U64LE = struct.Struct("<Q")
 DATA_ALIGN = 64  # array data offsets in the body frame are multiples of this
@@ -503,8 +504,10 @@ def body_size(obj: Any) -> int:
         a = o if isinstance(o, np.ndarray) else _to_numpy(o)
         if a is None:
             return _scalar(o)
-        if a.dtype.fields is not None or a.ndim > MAX_NDIM:
-            a, head = _as_wire_array(a)  # raises the encoder's error
+        if a.dtype not in _WIRE_DTYPES or a.ndim > MAX_NDIM:
+            # the encoder's own check: it refuses what encode_body refuses (a big-endian
+            # array passes, converted, at the same size)
+            a, _ = _as_wire_array(a)
         sizes.append(a.dtype.itemsize * a.size)
         return msgpack.ExtType(ARRAY_EXT, bytes(2 + 8 * a.ndim + 8))
 

@@ -189,8 +189,12 @@ def test_body_size_of_layouts_and_refusals():
     for v in ({"t": np.arange(12, dtype=">i4").reshape(3, 4).T}, [np.zeros(0), np.float32(1)],
               {"a": [np.ones((2, 3), np.float16)] * 3, "b": {"c": np.array(True)}}):
         assert wire.body_size(v) == len(wire.encode_body(v))
-    with pytest.raises(WireError, match="dtype"):
-        wire.body_size({"x": np.zeros(2, dtype=[("a", "<i4")])})
+    for bad in (np.zeros(2, dtype=[("a", "<i4")]), np.array(["2026-12-07"], "datetime64[D]"),
+                np.array([1, "x"], dtype=object)):
+        with pytest.raises(WireError, match="dtype"):  # what encode_body refuses, alike
+            wire.encode_body({"x": bad})
+        with pytest.raises(WireError, match="dtype"):
+            wire.body_size({"x": bad})
 
 
 def test_dict_order_is_kept():
