@@ -32,8 +32,8 @@ from fedbus.broker.wire import (DEFAULT_MAX_FRAME, Message, WireError, decode, d
 from fedbus.node.privacy.budget import run_noise_seed, uses_secret_server_noise
 from fedbus.node.privacy.secure_round import run_graph_key
 from fedbus.node.config import Config, build_config
-from fedbus.node.engine import (NOTED_KINDS, Engine, Out, Refusal, client_address, out_params,
-                                unbatch_tasks)
+from fedbus.node.engine import (NOTED_KINDS, SENT_BATCHES, Engine, Out, Refusal, client_address,
+                                out_params, unbatch_tasks)
 from fedbus.record.msglog import LogCorrupt, Record, read_log
 from fedbus.node.server import build_engine, dispatch
 
@@ -360,11 +360,12 @@ def replay_client(run_dir: str | Path, client: int, round_: int) -> ClientReplay
         if rec.direction != "out":
             continue
         m = _decode(rec, max_frame)
-        if m.kind in ("tasks", "evals"):  # a batch (PROTOCOL.md §4.3): this client's member
+        if m.kind in SENT_BATCHES:  # a batch (PROTOCOL.md §4.3): this client's member, if any
             mine = [body for to, body in unbatch_tasks(m.body, m.kind) if to == address]
             if not mine:
                 continue
-            m = Message(m.kind[:-1], m.src, address, mine[0], run=m.run, round=m.round)
+            m = Message(SENT_BATCHES[m.kind], m.src, address, mine[0], run=m.run,
+                        round=m.round)
         if m.dst != address:
             continue
         if m.kind == "eval":

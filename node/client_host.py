@@ -28,7 +28,7 @@ from fedbus.broker.peer import Peer
 from fedbus.broker.wire import Message
 from fedbus.node.client_state import ClientStateStore, last_run
 from fedbus.node.config import Config, build_config
-from fedbus.node.engine import SERVER, client_address, client_index, unbatch_tasks
+from fedbus.node.engine import SENT_BATCHES, SERVER, client_address, client_index, unbatch_tasks
 from fedbus.node.pool import ClientPool
 from fedbus.node.privacy.prototypes import protect
 from fedbus.node.state_writer import StateWriter
@@ -99,7 +99,7 @@ class ClientNode:
         self.peer.run = run_id  # updates carry the run id; the server checks it
         # (batch: this node takes `tasks` batches, PROTOCOL.md §4.3)
         self.peer.send("config", SERVER, {"node": self.name, "run": run_id,
-                                          "batch": ["tasks", "evals"]},
+                                          "batch": list(SENT_BATCHES)},
                        src=client_address(self.clients[0]))
 
     def _build(self, run_id: str, cfg: Config) -> None:
@@ -174,7 +174,7 @@ class ClientNode:
                     msg = self._recv(max(0.0, min(1.0, self.send_due())))
                 if msg is None:
                     continue
-                if msg.kind in ("tasks", "evals"):  # a batch: its members, as if each came alone
+                if msg.kind in SENT_BATCHES:  # a batch: its members, as if each had come alone
                     self._unbatch(msg)
                     continue
                 if msg.kind == "task" and (self._secure_task(msg) or self._cohort_may(msg)):
@@ -273,7 +273,7 @@ class ClientNode:
         tasks or evaluations goes through (a cohort, an error for a client not hosted
         here). A task's answer joins the node's next `updates` batch; an evaluation's
         leaves alone."""
-        kind = msg.kind[:-1]
+        kind = SENT_BATCHES[msg.kind]
         try:
             members = unbatch_tasks(msg.body, msg.kind)
         except ValueError as err:
@@ -426,10 +426,10 @@ class ClientNode:
             log.warning("no config yet: ignored", kind=msg.kind)
         elif msg.kind == "task":
             self._safely(msg, self.on_task)
-        elif msg.kind in ("tasks", "evals"):
+        elif msg.kind in SENT_BATCHES:
             # (serve unpacks a batch into its queue first; a driver of handle alone, such as
             # the simulator, gets its members one by one here, their answers sent at its end)
-            kind = msg.kind[:-1]
+            kind = SENT_BATCHES[msg.kind]
             self._unbatch(msg)
             while self._pending and self._pending[0].kind == kind:
                 self._safely(self._pending.popleft(),

@@ -724,7 +724,7 @@ class Engine:
                     seen[key] = len(payloads)
                     payloads.append(o.body.get("payload"))
                 members.append({**o.body, "to": o.dst, "payload": seen[key]})
-            first[idx[0]] = Out(kind + "s", node, outs[idx[0]].round,
+            first[idx[0]] = Out(_BATCH_OF[kind], node, outs[idx[0]].round,
                                 {"payloads": payloads, "members": members})
             skip.update(idx[1:])
         return [first.get(i, o) for i, o in enumerate(outs) if i not in skip]
@@ -1485,6 +1485,10 @@ def _identity(value: Any) -> Any:
     return ("o", id(value))
 
 
+# the batches the server sends (PROTOCOL.md §4.3) -> the kind of message each member stands for
+SENT_BATCHES = {"tasks": "task", "evals": "eval"}
+_BATCH_OF = {member: batch for batch, member in SENT_BATCHES.items()}
+
 # what the server sends whose weight Engine.note_sent counts (the shell, replay and the chaos
 # harness's replay call it for each of these they send or compare)
 NOTED_KINDS = frozenset({"task", "tasks", "eval", "evals", "secagg"})
@@ -1493,7 +1497,7 @@ NOTED_KINDS = frozenset({"task", "tasks", "eval", "evals", "secagg"})
 def out_params(out: Out) -> int:
     """The parameters a task (or eval, secagg) message carries, per client: a batch counts
     each member's payload, as its members' own tasks would have."""
-    if out.kind in ("tasks", "evals"):
+    if out.kind in SENT_BATCHES:
         payloads = out.body["payloads"]
         return sum(count_params(payloads[m["payload"]]) for m in out.body["members"])
     return count_params(out.body.get("payload"))
@@ -1514,7 +1518,8 @@ def unbatch_tasks(body: Any, kind: str = "tasks") -> list[tuple[str, dict[str, A
         if not isinstance(m, dict) or not isinstance(m.get("to"), str) or \
                 isinstance(ref, bool) or not isinstance(ref, int) or \
                 not 0 <= ref < len(payloads):
-            raise ValueError(f"members[{i}] must be a {kind[:-1]} map with 'to' (an address) and "
+            raise ValueError(f"members[{i}] must be a {SENT_BATCHES.get(kind, kind)} map with "
+                             f"'to' (an address) and "
                              f"'payload' (an index into payloads)")
         task = {k: v for k, v in m.items() if k != "to"}
         task["payload"] = _own_containers(payloads[ref])

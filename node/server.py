@@ -29,8 +29,8 @@ from fedbus.broker.peer import Peer, PeerError
 from fedbus.broker.wire import BROADCAST, BROKER, Message, body_size, decode_body, encode_body
 from fedbus.models import describe_group
 from fedbus.node.config import Config, ConfigError
-from fedbus.node.engine import (NOTED_KINDS, SERVER, Engine, Out, Refusal, client_address,
-                                client_index, out_params)
+from fedbus.node.engine import (NOTED_KINDS, SENT_BATCHES, SERVER, Engine, Out, Refusal,
+                                client_address, client_index, out_params)
 from fedbus.node.privacy.budget import run_noise_seed, uses_secret_server_noise
 from fedbus.node.privacy.secure_round import privacy_refusal, run_graph_key
 from fedbus.node.setup import (arch_builder, check_models, distinct_archs, federated_data,
@@ -366,7 +366,7 @@ def apply(engine: Engine, msg: Message, now: float) -> list[Out]:
         node = config_sender(engine, msg.src)
         # a node that takes batched tasks (and evaluations) says so (PROTOCOL.md §4.3)
         said = body.get("batch")
-        batch = [k for k in said if k in ("tasks", "evals")] if isinstance(said, list) else []
+        batch = [k for k in said if k in SENT_BATCHES] if isinstance(said, list) else []
         return [] if node is None else engine.on_configured(node, body["run"], now, batch)
     if kind == "error" and body.get("code") == "handler_failed":
         return engine.on_task_failed(msg.src, body.get("task"), now)
